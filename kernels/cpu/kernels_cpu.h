@@ -1,0 +1,81 @@
+// CPU kernels: the CPU backend's compute and the reference twins of the CUDA
+// kernels. They take plain pointers and sizes, know nothing of sequences or
+// tiers, validate nothing (callers validate), allocate nothing, and are safe to
+// call concurrently on disjoint outputs.
+//
+// Layouts (DESIGN.md §3):
+//   page bytes      [2 (K,V)][Hkv][S][D]
+//   summary slab    [PageId][Hkv][2 (min,max)][D]
+//   queries         [G][D] for the G query heads of one KV head group
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace questkv::kernels {
+
+// ---- append + summary --------------------------------------------------------
+
+// Writes `n` tokens into one page starting at token slot `offset`
+// (offset + n <= S) and folds their keys into the page's summary (eq. 8/14).
+//   page     [2][Hkv][S][D]
+//   summary  [Hkv][2][D]; must hold min=+inf/max=-inf for an empty page
+//   k, v     [n][Hkv][D] token-major, as engines produce them
+void AppendTokensCpu(float* page, float* summary, int kv_heads, int page_size, int head_dim,
+                     int offset, const float* k, const float* v, int n);
+
+// Re-initialises a summary to the empty box (min=+inf, max=-inf) for every head.
+void ResetSummaryCpu(float* summary, int kv_heads, int head_dim);
+
+// Rebuilds a summary from the first `len` valid tokens of a page (rollback
+// into a tail, fork). len == 0 gives the empty box.
+void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size,
+                       int head_dim, int len);
+
+// ---- score -------------------------------------------------------------------
+
+// U_p(q) = Σ_j max(q_j·min_j, q_j·max_j) (eq. 2–3), unscaled, for G query heads
+// against n head-pages of KV head `kv_head`.
+//   q         [G][D]
+//   slab      summary slab base, [PageId][Hkv][2][D]
+//   page_ids  [n] PageIds in logical order
+//   scores    [G][n] out
+void ScorePagesCpu(const float* q, int group, int head_dim, const float* slab, int kv_heads,
+                   int kv_head, const uint32_t* page_ids, int n, float* scores);
+
+// ---- top-K -------------------------------------------------------------------
+
+// Selects the k highest scores among indices i in [0, n) with skip[i] == 0
+// (skip may be null). Order: higher score first, ties toward the lower index;
+// NaN ranks below every number. Writes the chosen indices to out in ascending
+// index order and returns how many were chosen (min(k, candidates)).
+// scratch must hold n ints.
+int TopKCpu(const float* scores, int n, const uint8_t* skip, int k, int* out, int* scratch);
+
+// ---- attention ---------------------------------------------------------------
+
+// One KV head's view of one page: its K and V rows and the valid length.
+struct HeadPageRef {
+  const float* k;  // [S][D], first `len` rows valid
+  const float* v;  // [S][D]
+  int len;         // 1..S
+};
+
+// Sparse decode attention of the G query heads of one KV group over n
+// head-pages, in any order: each page yields a partial state, merged with
+// MergeState (online softmax). Every K/V row is read once for all G heads.
+// Outputs the merged state per query head: o [G][D], m [G], d [G]; n == 0
+// gives the empty state. scale multiplies q·k (1/sqrt(D) for the model).
+void AttendPagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
+                    float scale, float* o, float* m, float* d);
+
+// ---- reference ---------------------------------------------------------------
+
+// Dense attention of one query over T contiguous tokens, computed in double
+// with a two-pass softmax: the independent reference for tests and the
+// recall diagnostics.
+//   q [D]; k, v [T][D] (row stride `stride` floats); out [D]
+void DenseAttentionReference(const float* q, const float* k, const float* v, int tokens,
+                             int head_dim, std::size_t stride, double scale, float* out);
+
+}  // namespace questkv::kernels

@@ -1,0 +1,111 @@
+#include "runtime/config.h"
+
+#include <algorithm>
+
+namespace questkv {
+
+namespace {
+std::string Field(std::string_view name, long long value, std::string_view rule) {
+  return std::string(name) + " = " + std::to_string(value) + ": " + std::string(rule);
+}
+}  // namespace
+
+std::string_view DTypeName(DType d) {
+  switch (d) {
+    case DType::kF32: return "f32";
+    case DType::kF16: return "f16";
+    case DType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+Result<DType> ParseDType(std::string_view s) {
+  if (s == "f32" || s == "fp32" || s == "float32") return DType::kF32;
+  if (s == "f16" || s == "fp16" || s == "float16") return DType::kF16;
+  if (s == "bf16" || s == "bfloat16") return DType::kBF16;
+  return Status::InvalidArgument("unknown dtype '" + std::string(s) + "' (f32, f16, bf16)");
+}
+
+Status Geometry::Validate() const {
+  if (layers < 1 || layers > 1024) return Status::InvalidArgument(Field("layers", layers, "must be in 1..1024"));
+  if (kv_heads < 1 || kv_heads > 1024) return Status::InvalidArgument(Field("kv_heads", kv_heads, "must be in 1..1024"));
+  if (q_heads < 1 || q_heads > 4096) return Status::InvalidArgument(Field("q_heads", q_heads, "must be in 1..4096"));
+  if (q_heads % kv_heads != 0)
+    return Status::InvalidArgument("q_heads = " + std::to_string(q_heads) + " is not a multiple of kv_heads = " +
+                                   std::to_string(kv_heads));
+  if (head_dim < 1 || head_dim > 512) return Status::InvalidArgument(Field("head_dim", head_dim, "must be in 1..512"));
+  if (page_size < 1 || page_size > 1024) return Status::InvalidArgument(Field("page_size", page_size, "must be in 1..1024"));
+  return Status::Ok();
+}
+
+std::string Geometry::ToString() const {
+  return "L" + std::to_string(layers) + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " D" +
+         std::to_string(head_dim) + " S" + std::to_string(page_size) + " " + std::string(DTypeName(dtype));
+}
+
+std::string_view GqaModeName(GqaMode m) {
+  switch (m) {
+    case GqaMode::kMax: return "max";
+    case GqaMode::kMean: return "mean";
+    case GqaMode::kUnion: return "union";
+  }
+  return "?";
+}
+
+Result<GqaMode> ParseGqaMode(std::string_view s) {
+  if (s == "max") return GqaMode::kMax;
+  if (s == "mean") return GqaMode::kMean;
+  if (s == "union") return GqaMode::kUnion;
+  return Status::InvalidArgument("unknown GQA mode '" + std::string(s) + "' (max, mean, union)");
+}
+
+bool SelectionPolicy::is_dense(int layer) const {
+  return std::find(dense_layers.begin(), dense_layers.end(), layer) != dense_layers.end();
+}
+
+int64_t SelectionPolicy::token_budget_for(int layer) const {
+  if (layer >= 0 && std::size_t(layer) < layer_token_budgets.size() && layer_token_budgets[layer] >= 0)
+    return layer_token_budgets[layer];
+  return token_budget;
+}
+
+int64_t SelectionPolicy::page_budget(int layer, int page_size) const {
+  return token_budget_for(layer) / page_size;
+}
+
+Status SelectionPolicy::Validate(const Geometry& g) const {
+  if (sink_pages < 0) return Status::InvalidArgument(Field("sink_pages", sink_pages, "must be >= 0"));
+  if (local_pages < 1)
+    return Status::InvalidArgument(Field("local_pages", local_pages, "must be >= 1 (the tail page is always attended)"));
+  if (!layer_token_budgets.empty() && layer_token_budgets.size() != std::size_t(g.layers))
+    return Status::InvalidArgument("layer_token_budgets has " + std::to_string(layer_token_budgets.size()) +
+                                   " entries for " + std::to_string(g.layers) + " layers");
+  for (int layer : dense_layers)
+    if (layer < 0 || layer >= g.layers)
+      return Status::InvalidArgument(Field("dense layer", layer, "is not a layer of the geometry"));
+  for (int layer = 0; layer < g.layers; ++layer) {
+    if (is_dense(layer)) continue;
+    const int64_t tokens = token_budget_for(layer);
+    const int64_t pages = tokens / g.page_size;
+    if (pages < sink_pages + local_pages)
+      return Status::InvalidArgument(
+          "token budget " + std::to_string(tokens) + " of layer " + std::to_string(layer) + " gives " +
+          std::to_string(pages) + " pages of " + std::to_string(g.page_size) + " tokens, fewer than sink (" +
+          std::to_string(sink_pages) + ") + local (" + std::to_string(local_pages) + ") pages");
+  }
+  return Status::Ok();
+}
+
+Status Config::Validate() const {
+  QKV_RETURN_IF_ERROR(geometry.Validate());
+  QKV_RETURN_IF_ERROR(policy.Validate(geometry));
+  if (max_pages < 1 || max_pages > (1u << 30))
+    return Status::InvalidArgument(Field("max_pages", max_pages, "must be in 1..2^30"));
+  if (hbm_bytes != 0 && hbm_bytes < geometry.page_bytes())
+    return Status::InvalidArgument("hbm_bytes = " + std::to_string(hbm_bytes) + " holds no page of " +
+                                   std::to_string(geometry.page_bytes()) + " bytes");
+  if (cpu_threads < 0) return Status::InvalidArgument(Field("cpu_threads", cpu_threads, "must be >= 0"));
+  return Status::Ok();
+}
+
+}  // namespace questkv

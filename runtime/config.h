@@ -1,0 +1,87 @@
+// Geometry, selection policy and runtime configuration, with validation.
+//
+// Plain value types. Validate() returns OK or InvalidArgument naming the
+// offending field and value; nothing is clamped silently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace questkv {
+
+enum class DType : uint8_t { kF32, kF16, kBF16 };
+std::string_view DTypeName(DType d);
+Result<DType> ParseDType(std::string_view s);
+inline std::size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+// Shape of the KV cache of one model.
+struct Geometry {
+  int layers = 4;
+  int q_heads = 8;
+  int kv_heads = 2;
+  int head_dim = 64;
+  int page_size = 16;  // S, tokens per page
+  DType dtype = DType::kF32;
+
+  int group() const { return q_heads / kv_heads; }  // G query heads per KV head
+  // Elements of one head-page's K (or V): S*D.
+  std::size_t head_page_elems() const { return std::size_t(page_size) * head_dim; }
+  // Elements of one whole page, layout [2 (K,V)][Hkv][S][D].
+  std::size_t page_elems() const { return 2 * std::size_t(kv_heads) * head_page_elems(); }
+  std::size_t page_bytes() const { return page_elems() * DTypeBytes(dtype); }
+  // Elements of one page's summaries, layout [Hkv][2 (min,max)][D].
+  std::size_t summary_elems() const { return 2 * std::size_t(kv_heads) * head_dim; }
+
+  Status Validate() const;
+  std::string ToString() const;  // "L4 Hq8 Hkv2 D64 S16 f32"
+};
+
+enum class GqaMode : uint8_t { kMax, kMean, kUnion };
+std::string_view GqaModeName(GqaMode m);
+Result<GqaMode> ParseGqaMode(std::string_view s);
+
+// Which pages each (sequence, layer, KV head) attends per decode step.
+// Selected set = sink pages (first `sink_pages`) ∪ local window (last
+// `local_pages`, so always the tail) ∪ top-K of the remaining pages by score,
+// where the page budget floor(token_budget / S) counts sink and local inside
+// it. A budget that covers every page selects every page.
+struct SelectionPolicy {
+  int64_t token_budget = 1024;
+  int sink_pages = 1;
+  int local_pages = 8;
+  GqaMode gqa = GqaMode::kMax;
+  // Layers that attend every page (the seed's "first two layers dense").
+  std::vector<int> dense_layers = {0, 1};
+  // Optional per-layer token budgets; empty, or one entry per layer, where a
+  // negative entry means "use token_budget".
+  std::vector<int64_t> layer_token_budgets;
+
+  bool is_dense(int layer) const;
+  int64_t token_budget_for(int layer) const;
+  // floor(token_budget_for(layer) / S).
+  int64_t page_budget(int layer, int page_size) const;
+  Status Validate(const Geometry& g) const;
+};
+
+// Everything a Runtime is built from.
+struct Config {
+  Geometry geometry;
+  SelectionPolicy policy;
+  // Bound on pages alive at once across all sequences and layers: sizes the
+  // summary slab and the page-id space. Running out is ResourceExhausted.
+  uint32_t max_pages = 1u << 16;
+  // Byte budget of the "hbm" arena (the CPU backend's bounded host arena).
+  // 0 means max_pages * page_bytes.
+  std::size_t hbm_bytes = 0;
+  // Worker threads for CPU kernels (0 = hardware concurrency).
+  int cpu_threads = 0;
+
+  Status Validate() const;
+};
+
+}  // namespace questkv

@@ -1,0 +1,51 @@
+// Selection-quality diagnostics for one (sequence, layer, step), computed
+// against dense attention over the same K/V (seed §1.1, §2.2, §3.1–3.3).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/config.h"
+#include "selector/select.h"
+
+namespace questkv {
+
+// The K/V of one (sequence, layer) laid out for inspection: per KV head,
+// contiguous [T][D] keys and values in logical token order.
+struct DenseView {
+  int tokens = 0;                   // T
+  std::vector<float> k;             // [Hkv][T][D]
+  std::vector<float> v;             // [Hkv][T][D]
+};
+
+struct StepDiagnostics {
+  // Mean over query heads of |dense top-R tokens whose page was selected| / R.
+  double page_recall = 0;
+  // Mean over query heads of Σ_{j in selected pages} p_j (1 − ε).
+  double attention_mass_recall = 0;
+  // ||o_sparse − o_dense|| / ||o_dense|| over all query heads.
+  double output_rel_error = 0;
+  // Page slack g_p = U_p − max_{k in p} q·k (unscaled), per query head and page,
+  // [Hq][num_pages]; never negative beyond rounding.
+  std::vector<float> slack;
+  double slack_mean = 0;
+  double slack_max = 0;
+};
+
+// sparse_out: [Hq][D] the sparse output of this step. scores: [Hq][P] U_p(q)
+// per query head (from ScorePagesCpu). R >= 1.
+Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseView& kv,
+                                 const PageSelection& sel, const float* scores,
+                                 const float* sparse_out, int top_r);
+
+// Exact top-R by branch-and-bound (seed §3.2): per query head, read pages in
+// descending order of U_p until the next unread bound is below the R-th best
+// true logit seen. The result certifies the exact dense top-R tokens.
+struct ExactTopR {
+  std::vector<std::vector<int32_t>> tokens;  // [Hq] token indices, ascending
+  std::vector<int32_t> pages_read;           // [Hq]
+};
+Result<ExactTopR> ExactTopRSearch(const Geometry& g, const float* q, const DenseView& kv,
+                                  const float* scores, int top_r);
+
+}  // namespace questkv

@@ -1,0 +1,66 @@
+// Quest page selection for one (sequence, layer): which logical pages each KV
+// head attends this step.
+//
+// Policy (SelectionPolicy in runtime/config.h): page budget P_b =
+// floor(token_budget / S); if P_b >= num_pages or the layer is dense, every
+// page. Otherwise the sink pages (first sink_pages) and the local window (last
+// local_pages, always including the tail) are taken, and the remaining
+// P_b − |sink ∪ local| slots go to the top scores U_p(q) among the other pages,
+// ties toward the lower page index. GQA: kMax / kMean aggregate the G query
+// heads' scores per page into one ranking per KV head; kUnion takes top-K per
+// query head and merges the sets per KV head (so a KV head may read up to G×
+// the top-K share).
+//
+// Thread-compatible: a Selector holds scratch buffers, one per thread.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+
+namespace questkv {
+
+// One sequence's pages at one layer, as the selector sees them.
+struct SelectInput {
+  const float* q = nullptr;              // [Hq][D] this step's queries
+  const float* summary_slab = nullptr;   // [PageId][Hkv][2][D]
+  const uint32_t* page_ids = nullptr;    // [num_pages] logical order
+  int num_pages = 0;                     // >= 1
+  int layer = 0;
+};
+
+// Ascending logical page indices per KV head: row h is
+// pages[indptr[h] .. indptr[h+1]).
+struct PageSelection {
+  std::vector<int32_t> indptr;  // [Hkv + 1], indptr[0] = 0
+  std::vector<int32_t> pages;   // [nnz]
+  int count(int h) const { return indptr[h + 1] - indptr[h]; }
+  const int32_t* row(int h) const { return pages.data() + indptr[h]; }
+};
+
+class Selector {
+ public:
+  // Geometry and policy must already be validated.
+  Selector(const Geometry& g, const SelectionPolicy& p);
+
+  // Fills out. InvalidArgument for num_pages < 1 or null pointers.
+  Status Select(const SelectInput& in, PageSelection* out);
+
+  // Scores of the last Select for one query head, [num_pages] (empty if the
+  // last Select did not score: dense layer or full budget). For diagnostics.
+  const std::vector<float>& scores() const { return scores_; }
+
+ private:
+  Geometry g_;
+  SelectionPolicy p_;
+  std::vector<float> scores_;     // [Hq][num_pages]
+  std::vector<float> agg_;        // [num_pages]
+  std::vector<uint8_t> skip_;     // [num_pages]
+  std::vector<int> chosen_;       // [num_pages]
+  std::vector<int> scratch_;      // [num_pages]
+  std::vector<uint8_t> mark_;     // [num_pages]
+};
+
+}  // namespace questkv
