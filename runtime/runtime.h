@@ -1,0 +1,98 @@
+// questkv::Runtime — the KV cache manager and decode-attention backend.
+//
+// A Runtime owns the page-id space, the summary slab, the "hbm" page arena
+// (on the CPU backend a bounded host arena) and the sequences. Sequences are
+// named by SeqId. K/V enter per layer, token-major [n][Hkv][D]; decode
+// attention takes queries [B][Hq][D] for a batch of sequences at one layer and
+// writes outputs [B][Hq][D].
+//
+// Thread safety: a Runtime is thread-compatible — callers serialise calls.
+// Errors: every method returns a Status / Result; on error the runtime is
+// unchanged (no page, slot or reference leaks).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "selector/diagnostics.h"
+#include "selector/select.h"
+
+namespace questkv {
+
+using SeqId = uint64_t;
+
+// Per-call counters of a decode attention call, summed over the batch and KV heads.
+struct AttendStats {
+  int64_t head_pages_selected = 0;  // head-pages attended
+  int64_t head_pages_total = 0;     // head-pages that dense attention would read
+  int64_t kv_bytes_read = 0;        // K/V bytes the sparse attention read
+  int64_t summary_bytes_read = 0;   // summary bytes the scoring read
+};
+
+class Runtime {
+ public:
+  // InvalidArgument when the config does not validate; ResourceExhausted when
+  // the arena cannot be allocated.
+  static Result<std::unique_ptr<Runtime>> Create(const Config& config);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const Config& config() const;
+
+  // A new empty sequence (length 0 in every layer).
+  Result<SeqId> CreateSequence();
+  // A new sequence sharing the first `pages` sealed pages of `parent` in every
+  // layer (prefix sharing, by refcount). OutOfRange when a layer of the parent
+  // has fewer than `pages` sealed pages.
+  Result<SeqId> CreateFromPrefix(SeqId parent, int64_t pages);
+  // A copy of `parent`: sealed pages shared, each layer's tail page copied.
+  Result<SeqId> Fork(SeqId parent);
+  // Drops `tokens` tokens from the end of every layer (whole pages released,
+  // the new tail's summary rebuilt from its valid keys). OutOfRange when any
+  // layer holds fewer tokens.
+  Status Rollback(SeqId seq, int64_t tokens);
+  // Releases the sequence; pages shared with others stay alive.
+  Status Free(SeqId seq);
+
+  // Appends n >= 1 tokens of K/V to one layer: k, v are [n][Hkv][D] floats.
+  // ResourceExhausted when pages or arena slots run out (nothing appended).
+  Status Append(SeqId seq, int layer, const float* k, const float* v, int64_t n);
+
+  // Sparse decode attention for a batch at one layer: q [B][Hq][D] -> out
+  // [B][Hq][D], softmax scale 1/sqrt(D). Every sequence must hold >= 1 token
+  // in the layer. `selections`, when non-null, receives each sequence's
+  // selection. `stats`, when non-null, is incremented.
+  Status DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
+                         std::vector<PageSelection>* selections = nullptr,
+                         AttendStats* stats = nullptr);
+
+  // Dense attention over every token (the reference path), same shapes.
+  Status DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out);
+
+  // Tokens held by a sequence in a layer.
+  Result<int64_t> Length(SeqId seq, int layer) const;
+  // PageIds of a sequence in a layer, logical order.
+  Result<std::vector<uint32_t>> Pages(SeqId seq, int layer) const;
+  // Copies one layer's K/V into a DenseView (diagnostics, tests).
+  Result<DenseView> Gather(SeqId seq, int layer) const;
+  // Summary [Hkv][2][D] of a page (tests, diagnostics).
+  Result<std::vector<float>> Summary(uint32_t page_id) const;
+  // Scores U_p(q) [Hq][num_pages] for one sequence at one layer, q [Hq][D].
+  Result<std::vector<float>> Scores(SeqId seq, int layer, const float* q) const;
+
+  // Pages alive / arena slots in use (leak checks).
+  uint32_t live_pages() const;
+  std::size_t live_sequences() const;
+
+ private:
+  struct Impl;
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace questkv
