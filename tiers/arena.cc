@@ -1,0 +1,60 @@
+#include "tiers/arena.h"
+
+#include <cassert>
+#include <new>
+#include <string>
+
+namespace questkv {
+
+namespace {
+std::unique_ptr<float[]> Reserve(std::size_t elems) {
+  // Uninitialised on purpose: the OS commits pages on first touch.
+  return std::unique_ptr<float[]>(new (std::nothrow) float[elems]);
+}
+}  // namespace
+
+Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uint32_t capacity,
+                                                     const char* name) {
+  if (slot_elems == 0 || capacity == 0)
+    return Status::InvalidArgument(std::string(name) + ": arena needs >= 1 slot of >= 1 element");
+  auto base = Reserve(slot_elems * capacity);
+  if (!base)
+    return Status::ResourceExhausted(std::string(name) + ": cannot reserve " +
+                                     std::to_string(slot_elems * capacity * sizeof(float)) + " bytes");
+  return std::unique_ptr<SlotArena>(new SlotArena(std::move(base), slot_elems, capacity, name));
+}
+
+SlotArena::SlotArena(std::unique_ptr<float[]> base, std::size_t slot_elems, uint32_t capacity,
+                     const char* name)
+    : base_(std::move(base)), slot_elems_(slot_elems), capacity_(capacity), in_use_(capacity, 0), name_(name) {
+  free_.reserve(capacity);
+  for (uint32_t i = capacity; i > 0; --i) free_.push_back(i - 1);
+}
+
+Result<uint32_t> SlotArena::Allocate() {
+  if (free_.empty())
+    return Status::ResourceExhausted(std::string(name_) + ": all " + std::to_string(capacity_) + " slots of " +
+                                     std::to_string(slot_bytes()) + " bytes are in use");
+  const uint32_t slot = free_.back();
+  free_.pop_back();
+  in_use_[slot] = 1;
+  if (used() > used_peak_) used_peak_ = used();
+  return slot;
+}
+
+void SlotArena::Free(uint32_t slot) {
+  assert(slot < capacity_ && in_use_[slot] && "double free of an arena slot");
+  in_use_[slot] = 0;
+  free_.push_back(slot);
+}
+
+Result<std::unique_ptr<SummarySlab>> SummarySlab::Create(uint32_t max_pages, int kv_heads, int head_dim) {
+  const std::size_t elems = 2 * std::size_t(kv_heads) * head_dim;
+  auto base = Reserve(elems * max_pages);
+  if (!base)
+    return Status::ResourceExhausted("summary slab: cannot reserve " +
+                                     std::to_string(elems * max_pages * sizeof(float)) + " bytes");
+  return std::unique_ptr<SummarySlab>(new SummarySlab(std::move(base), elems));
+}
+
+}  // namespace questkv

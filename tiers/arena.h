@@ -1,0 +1,60 @@
+// Fixed-size slot arenas: the CPU backend's bounded "hbm" page arena and the
+// summary slab. Memory is reserved once at construction (the OS commits it on
+// first touch); running out of slots is ResourceExhausted, never growth.
+// Thread-compatible.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/status.h"
+
+namespace questkv {
+
+// `capacity` slots of `slot_elems` floats each, handed out by a free list.
+class SlotArena {
+ public:
+  // ResourceExhausted when the reservation itself fails.
+  static Result<std::unique_ptr<SlotArena>> Create(std::size_t slot_elems, uint32_t capacity,
+                                                   const char* name);
+
+  Result<uint32_t> Allocate();
+  void Free(uint32_t slot);
+
+  float* data(uint32_t slot) { return base_.get() + std::size_t(slot) * slot_elems_; }
+  const float* data(uint32_t slot) const { return base_.get() + std::size_t(slot) * slot_elems_; }
+  uint32_t capacity() const { return capacity_; }
+  uint32_t used() const { return capacity_ - uint32_t(free_.size()); }
+  uint32_t used_peak() const { return used_peak_; }
+  std::size_t slot_bytes() const { return slot_elems_ * sizeof(float); }
+
+ private:
+  SlotArena(std::unique_ptr<float[]> base, std::size_t slot_elems, uint32_t capacity, const char* name);
+  std::unique_ptr<float[]> base_;
+  std::size_t slot_elems_;
+  uint32_t capacity_;
+  uint32_t used_peak_ = 0;
+  std::vector<uint32_t> free_;
+  std::vector<uint8_t> in_use_;
+  const char* name_;
+};
+
+// Per-PageId key summaries, [PageId][Hkv][2 (min,max)][D], resident always
+// (DESIGN.md §3). Indexed directly by PageId, so it needs no allocator.
+class SummarySlab {
+ public:
+  static Result<std::unique_ptr<SummarySlab>> Create(uint32_t max_pages, int kv_heads, int head_dim);
+  float* page(uint32_t id) { return base_.get() + std::size_t(id) * elems_; }
+  const float* page(uint32_t id) const { return base_.get() + std::size_t(id) * elems_; }
+  const float* base() const { return base_.get(); }
+  std::size_t page_bytes() const { return elems_ * sizeof(float); }
+
+ private:
+  SummarySlab(std::unique_ptr<float[]> base, std::size_t elems) : base_(std::move(base)), elems_(elems) {}
+  std::unique_ptr<float[]> base_;
+  std::size_t elems_;
+};
+
+}  // namespace questkv
