@@ -104,7 +104,6 @@ Status Config::Validate() const {
   if (hbm_bytes != 0 && hbm_bytes < geometry.page_bytes())
     return Status::InvalidArgument("hbm_bytes = " + std::to_string(hbm_bytes) + " holds no page of " +
                                    std::to_string(geometry.page_bytes()) + " bytes");
-  if (cpu_threads < 0) return Status::InvalidArgument(Field("cpu_threads", cpu_threads, "must be >= 0"));
   return Status::Ok();
 }
 

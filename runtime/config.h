@@ -78,8 +78,6 @@ struct Config {
   // Byte budget of the "hbm" arena (the CPU backend's bounded host arena).
   // 0 means max_pages * page_bytes.
   std::size_t hbm_bytes = 0;
-  // Worker threads for CPU kernels (0 = hardware concurrency).
-  int cpu_threads = 0;
 
   Status Validate() const;
 };

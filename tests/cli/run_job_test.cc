@@ -1,0 +1,102 @@
+// The main job end to end, in-process, on small sizes.
+#include "runtime/cli/run_job.h"
+
+#include <gtest/gtest.h>
+
+namespace questkv::cli {
+namespace {
+
+RunOptions Small() {
+  RunOptions o;
+  o.config.geometry.layers = 3;
+  o.config.geometry.q_heads = 4;
+  o.config.geometry.kv_heads = 2;
+  o.config.geometry.head_dim = 32;
+  o.config.geometry.page_size = 16;
+  o.config.policy.token_budget = 256;
+  o.config.policy.dense_layers = {0};
+  o.config.max_pages = 3 * 2 * (2048 / 16 + 4);
+  o.context_tokens = 2000;
+  o.decode_steps = 6;
+  o.batch = 2;
+  o.recall_every = 3;
+  o.progress = false;
+  return o;
+}
+
+TEST(RunJob, ReportsEveryRequiredField) {
+  auto r = RunJob(Small());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const std::string json = ReportJson(*r);
+  for (const char* key : {"\"geometry\":{", "\"context_tokens\":2000", "\"decode_steps\":6", "\"token_budget\":256",
+                          "\"bytes_moved\":{\"host_to_hbm\":0", "\"dense_offload_bytes\":", "\"recall\":{",
+                          "\"page\":", "\"attention_mass\":", "\"step_latency_us\":{\"p50\":", "\"p99\":",
+                          "\"output_digest\":\""})
+    EXPECT_NE(json.find(key), std::string::npos) << key << " missing in " << json;
+  EXPECT_EQ(json.front(), '{');
+  EXPECT_EQ(json.back(), '}');
+  // 2 sequences x 2 sparse layers x 2 sampled steps (0, 3).
+  EXPECT_EQ(r->diagnosed, 8);
+  EXPECT_GT(r->page_recall, 0.0);
+  EXPECT_LE(r->page_recall, 1.0);
+  EXPECT_GT(r->attention_mass_recall, 0.0);
+  EXPECT_LE(r->attention_mass_recall, 1.0 + 1e-9);
+  // Sparse layers read fewer head-pages than dense would.
+  EXPECT_LT(r->head_pages_selected, r->head_pages_total);
+  // Dense offload: every page of every layer and sequence, each step.
+  const Geometry& g = r->options.config.geometry;
+  int64_t expect = 0;
+  for (int64_t step = 0; step < 6; ++step)
+    for (int64_t len : {2000, 1993}) expect += 3 * ((len + step + 1 + 15) / 16) * int64_t(g.page_bytes());
+  EXPECT_EQ(r->dense_offload_bytes, expect);
+}
+
+TEST(RunJob, DigestDependsOnlyOnWhatIsComputed) {
+  RunOptions a = Small();
+  RunOptions b = Small();
+  b.config.max_pages *= 3;                                    // other capacity
+  b.config.hbm_bytes = std::size_t(a.config.max_pages) * a.config.geometry.page_bytes();
+  b.recall_every = 0;                                          // no diagnostics
+  auto ra = RunJob(a), rb = RunJob(b);
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  EXPECT_EQ(ra->output_digest, rb->output_digest);
+  RunOptions c = Small();
+  c.seed = 2;
+  auto rc = RunJob(c);
+  ASSERT_TRUE(rc.ok());
+  EXPECT_NE(ra->output_digest, rc->output_digest);
+  RunOptions d = Small();
+  d.config.policy.token_budget = 512;
+  auto rd = RunJob(d);
+  ASSERT_TRUE(rd.ok());
+  EXPECT_NE(ra->output_digest, rd->output_digest);
+}
+
+TEST(RunJob, FullBudgetRecallsEverything) {
+  RunOptions o = Small();
+  o.config.policy.token_budget = 1 << 20;
+  auto r = RunJob(o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->page_recall, 1.0);
+  EXPECT_NEAR(r->attention_mass_recall, 1.0, 1e-9);
+  EXPECT_LT(r->output_rel_error, 1e-5);
+  EXPECT_EQ(r->head_pages_selected, r->head_pages_total);
+}
+
+TEST(RunJob, BadOptionsAreErrors) {
+  RunOptions o = Small();
+  o.batch = 0;
+  EXPECT_EQ(RunJob(o).status().code(), Code::kInvalidArgument);
+  o = Small();
+  o.context_tokens = 0;
+  EXPECT_EQ(RunJob(o).status().code(), Code::kInvalidArgument);
+  o = Small();
+  o.config.max_pages = 10;  // far too few pages for the context
+  EXPECT_EQ(RunJob(o).status().code(), Code::kResourceExhausted);
+  o = Small();
+  o.config.policy.token_budget = 16;  // one page < sink + local
+  EXPECT_EQ(RunJob(o).status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace questkv::cli
