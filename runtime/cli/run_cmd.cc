@@ -1,0 +1,105 @@
+// questkv run: flag parsing and output for the main job (run_job.h).
+#include <cstdio>
+
+#include "runtime/cli/commands.h"
+#include "runtime/cli/flags.h"
+#include "runtime/cli/run_job.h"
+
+namespace questkv::cli {
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: questkv run [flags]   (defaults in brackets)\n"
+    "geometry:  --layers 4 --q-heads 8 --kv-heads 2 --head-dim 64 --page-size 16\n"
+    "workload:  --workload structured|gaussian [structured] --seed 1 --context 32768\n"
+    "           --steps 64 --batch 1 (sequence b holds context-7b tokens)\n"
+    "policy:    --token-budget 1024 --sink-pages 1 --local-pages 8 --gqa max|mean|union [max]\n"
+    "           --dense-layers 0,1 (or 'none') --layer-budgets B0,B1,... (-1 = --token-budget)\n"
+    "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
+    "report:    --recall-every 8 (0: no recall) --top-r 16 --json --no-progress\n";
+
+Result<RunOptions> ParseRunOptions(const Flags& f) {
+  RunOptions o;
+  Geometry& g = o.config.geometry;
+  SelectionPolicy& p = o.config.policy;
+  QKV_ASSIGN_OR_RETURN(int64_t layers, f.Int("layers", g.layers, 1, 1024));
+  QKV_ASSIGN_OR_RETURN(int64_t hq, f.Int("q-heads", g.q_heads, 1, 4096));
+  QKV_ASSIGN_OR_RETURN(int64_t hkv, f.Int("kv-heads", g.kv_heads, 1, 1024));
+  QKV_ASSIGN_OR_RETURN(int64_t d, f.Int("head-dim", g.head_dim, 1, 512));
+  QKV_ASSIGN_OR_RETURN(int64_t s, f.Int("page-size", g.page_size, 1, 1024));
+  g.layers = int(layers), g.q_heads = int(hq), g.kv_heads = int(hkv), g.head_dim = int(d), g.page_size = int(s);
+
+  QKV_ASSIGN_OR_RETURN(std::string workload, f.String("workload", "structured"));
+  QKV_ASSIGN_OR_RETURN(o.workload, ParseWorkloadKind(workload));
+  QKV_ASSIGN_OR_RETURN(int64_t seed, f.Int("seed", 1, 0, INT64_MAX));
+  o.seed = uint64_t(seed);
+  QKV_ASSIGN_OR_RETURN(o.context_tokens, f.Int("context", o.context_tokens, 1, int64_t(1) << 31));
+  QKV_ASSIGN_OR_RETURN(o.decode_steps, f.Int("steps", o.decode_steps, 0, int64_t(1) << 31));
+  QKV_ASSIGN_OR_RETURN(int64_t batch, f.Int("batch", o.batch, 1, 4096));
+  o.batch = int(batch);
+
+  QKV_ASSIGN_OR_RETURN(p.token_budget, f.Int("token-budget", p.token_budget, 0, int64_t(1) << 40));
+  QKV_ASSIGN_OR_RETURN(int64_t sink, f.Int("sink-pages", p.sink_pages, 0, 1 << 20));
+  QKV_ASSIGN_OR_RETURN(int64_t local, f.Int("local-pages", p.local_pages, 0, 1 << 20));
+  p.sink_pages = int(sink), p.local_pages = int(local);
+  QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
+  QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
+  QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", {0, 1}));
+  p.dense_layers.clear();
+  for (int64_t l : dense) {
+    if (l < 0 || l >= g.layers) return Status::InvalidArgument("--dense-layers: " + std::to_string(l) + " is not a layer");
+    p.dense_layers.push_back(int(l));
+  }
+  QKV_ASSIGN_OR_RETURN(p.layer_token_budgets, f.IntList("layer-budgets", {}));
+
+  // Enough page ids for the whole run unless told otherwise.
+  const int64_t pages_per_seq = (o.context_tokens + o.decode_steps + g.page_size - 1) / g.page_size + 1;
+  const int64_t need = pages_per_seq * g.layers * o.batch;
+  QKV_ASSIGN_OR_RETURN(int64_t max_pages, f.Int("max-pages", std::min<int64_t>(need, 1 << 30), 1, 1 << 30));
+  o.config.max_pages = uint32_t(max_pages);
+  QKV_ASSIGN_OR_RETURN(uint64_t hbm, f.Bytes("hbm-bytes", 0));
+  o.config.hbm_bytes = hbm;
+
+  QKV_ASSIGN_OR_RETURN(int64_t every, f.Int("recall-every", o.recall_every, 0, INT32_MAX));
+  QKV_ASSIGN_OR_RETURN(int64_t top_r, f.Int("top-r", o.top_r, 1, 1 << 20));
+  o.recall_every = int(every), o.top_r = int(top_r);
+  o.progress = !f.has("no-progress");
+  QKV_RETURN_IF_ERROR(o.config.Validate());
+  return o;
+}
+
+}  // namespace
+
+int RunMain(int argc, char** argv) {
+  Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
+               "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
+               "max-pages", "hbm-bytes", "recall-every", "top-r"},
+              {"json", "no-progress", "help"});
+  if (Status s = flags.Parse(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);
+    return 2;
+  }
+  if (flags.has("help")) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  auto options = ParseRunOptions(flags);
+  if (!options.ok()) {
+    std::fprintf(stderr, "questkv run: %s\n", options.status().ToString().c_str());
+    return 2;
+  }
+  auto report = RunJob(*options);
+  if (!report.ok()) {
+    std::fprintf(stderr, "questkv run: %s\n", report.status().ToString().c_str());
+    return 1;
+  }
+  if (flags.has("json")) {
+    std::printf("%s\n", ReportJson(*report).c_str());
+  } else {
+    std::fputs(FormatReport(*report).c_str(), stdout);
+  }
+  return 0;
+}
+
+}  // namespace questkv::cli

@@ -1,0 +1,287 @@
+#include "runtime/cli/run_job.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "runtime/cli/json.h"
+#include "runtime/cli/progress.h"
+#include "runtime/runtime.h"
+#include "selector/diagnostics.h"
+#include "topology/topology.h"
+
+namespace questkv::cli {
+
+namespace {
+
+constexpr int64_t kPrefillChunk = 1024;
+
+// FNV-1a, 64 bit: order-sensitive, so equal digests mean equal output streams.
+void Digest(uint64_t& h, const float* data, std::size_t n) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n * sizeof(float); ++i) {
+    h ^= bytes[i];
+    h *= 1099511628211ull;
+  }
+}
+
+Percentiles Summarise(std::vector<double> v) {
+  Percentiles p;
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, std::size_t(q * double(v.size() - 1) + 0.5))]; };
+  p.p50 = at(0.50);
+  p.p99 = at(0.99);
+  for (double x : v) p.mean += x;
+  p.mean /= double(v.size());
+  return p;
+}
+
+struct Batch {
+  std::vector<SeqId> ids;
+  std::vector<Workload> workloads;  // one per sequence (seed + b)
+  std::vector<int64_t> lengths;     // context tokens of each
+};
+
+Result<Batch> MakeBatch(Runtime& rt, const RunOptions& o) {
+  Batch batch;
+  for (int b = 0; b < o.batch; ++b) {
+    const int64_t len = o.context_tokens - 7 * int64_t(b);
+    if (len < 1) return Status::InvalidArgument("batch too large for the context: sequence " + std::to_string(b) +
+                                                " would hold " + std::to_string(len) + " tokens");
+    WorkloadSpec spec{o.workload, o.seed + uint64_t(b), len, o.decode_steps};
+    QKV_ASSIGN_OR_RETURN(Workload w, Workload::Create(o.config.geometry, spec));
+    QKV_ASSIGN_OR_RETURN(SeqId id, rt.CreateSequence());
+    batch.ids.push_back(id);
+    batch.workloads.push_back(std::move(w));
+    batch.lengths.push_back(len);
+  }
+  return batch;
+}
+
+Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
+  const Geometry& g = o.config.geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  std::vector<float> k(kPrefillChunk * row), v(kPrefillChunk * row);
+  int64_t total = 0, done = 0;
+  for (int64_t len : batch.lengths) total += len * g.layers;
+  Progress bar("prefill", total, o.progress);
+  for (std::size_t b = 0; b < batch.ids.size(); ++b) {
+    for (int layer = 0; layer < g.layers; ++layer) {
+      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk) {
+        const int64_t n = std::min(kPrefillChunk, batch.lengths[b] - t);
+        batch.workloads[b].Tokens(layer, t, n, k.data(), v.data());
+        QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data(), v.data(), n));
+        bar.Update(done += n);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// Recall, mass recall, error, slack and exact-search cost of one (step, layer).
+Status DiagnoseLayer(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q,
+                     const float* out, const std::vector<PageSelection>& sels, RunReport& r) {
+  const Geometry& g = o.config.geometry;
+  const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
+  for (std::size_t b = 0; b < batch.ids.size(); ++b) {
+    QKV_ASSIGN_OR_RETURN(DenseView view, rt.Gather(batch.ids[b], layer));
+    QKV_ASSIGN_OR_RETURN(std::vector<float> scores, rt.Scores(batch.ids[b], layer, q + b * qstride));
+    QKV_ASSIGN_OR_RETURN(StepDiagnostics d,
+                         Diagnose(g, q + b * qstride, view, sels[b], scores.data(), out + b * qstride, o.top_r));
+    QKV_ASSIGN_OR_RETURN(ExactTopR exact, ExactTopRSearch(g, q + b * qstride, view, scores.data(), o.top_r));
+    const int pages = int((view.tokens + g.page_size - 1) / g.page_size);
+    double read = 0;
+    for (int32_t n : exact.pages_read) read += double(n) / pages;
+    r.page_recall += d.page_recall;
+    r.attention_mass_recall += d.attention_mass_recall;
+    r.output_rel_error += d.output_rel_error;
+    r.slack_mean += d.slack_mean;
+    r.exact_pages_read_fraction += read / double(exact.pages_read.size());
+    ++r.diagnosed;
+  }
+  return Status::Ok();
+}
+
+Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r) {
+  const Geometry& g = o.config.geometry;
+  const int B = int(batch.ids.size());
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
+  std::vector<float> k(row * B), v(row * B), q(qstride * B), out(qstride * B);
+  std::vector<PageSelection> sels;
+  std::vector<double> step_us;
+  AttendStats stats;
+  Progress bar("decode", o.decode_steps, o.progress);
+  for (int64_t step = 0; step < o.decode_steps; ++step) {
+    const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
+    double step_seconds = 0;
+    for (int layer = 0; layer < g.layers; ++layer) {
+      for (int b = 0; b < B; ++b) {
+        batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
+        batch.workloads[b].Query(layer, step, q.data() + b * qstride);
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int b = 0; b < B; ++b)
+        QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
+      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(), &sels, &stats));
+      step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      Digest(r.output_digest, out.data(), out.size());
+      for (int b = 0; b < B; ++b) {
+        QKV_ASSIGN_OR_RETURN(int64_t len, rt.Length(batch.ids[b], layer));
+        const int64_t pages = (len + g.page_size - 1) / g.page_size;
+        r.dense_offload_bytes += pages * int64_t(g.page_bytes());
+      }
+      if (diagnose && !o.config.policy.is_dense(layer))
+        QKV_RETURN_IF_ERROR(DiagnoseLayer(rt, o, batch, layer, q.data(), out.data(), sels, r));
+    }
+    step_us.push_back(step_seconds * 1e6);
+    r.pages_peak = std::max(r.pages_peak, rt.live_pages());
+    bar.Update(step + 1);
+  }
+  r.step_latency_us = Summarise(std::move(step_us));
+  r.head_pages_selected = stats.head_pages_selected;
+  r.head_pages_total = stats.head_pages_total;
+  r.kv_bytes_read = stats.kv_bytes_read;
+  r.summary_bytes_read = stats.summary_bytes_read;
+  if (r.diagnosed > 0) {
+    const double n = r.diagnosed;
+    r.page_recall /= n;
+    r.attention_mass_recall /= n;
+    r.output_rel_error /= n;
+    r.slack_mean /= n;
+    r.exact_pages_read_fraction /= n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<RunReport> RunJob(const RunOptions& o) {
+  if (o.context_tokens < 1) return Status::InvalidArgument("context_tokens must be >= 1");
+  if (o.decode_steps < 0) return Status::InvalidArgument("decode_steps must be >= 0");
+  if (o.batch < 1) return Status::InvalidArgument("batch must be >= 1");
+  if (o.top_r < 1) return Status::InvalidArgument("top_r must be >= 1");
+  RunReport r;
+  r.options = o;
+  r.output_digest = 14695981039346656037ull;
+  if (auto topo = DiscoverTopology(); topo.ok()) r.topology = topo->ToString();
+  QKV_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> rt, Runtime::Create(o.config));
+  QKV_ASSIGN_OR_RETURN(Batch batch, MakeBatch(*rt, o));
+  const auto t0 = std::chrono::steady_clock::now();
+  QKV_RETURN_IF_ERROR(Prefill(*rt, o, batch));
+  r.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r));
+  r.dense_kv_bytes = r.head_pages_total * int64_t(o.config.geometry.head_page_elems()) * 2 * int64_t(sizeof(float));
+  for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
+  if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
+  return r;
+}
+
+namespace {
+std::string Hex(uint64_t v) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+std::string Mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", double(bytes) / (1 << 20));
+  return buf;
+}
+}  // namespace
+
+std::string FormatReport(const RunReport& r) {
+  const RunOptions& o = r.options;
+  const SelectionPolicy& p = o.config.policy;
+  char buf[4096];
+  std::string dense;
+  for (int l : p.dense_layers) dense += (dense.empty() ? "" : ",") + std::to_string(l);
+  const double traffic = r.dense_kv_bytes ? double(r.kv_bytes_read + r.summary_bytes_read) / r.dense_kv_bytes : 0;
+  std::snprintf(
+      buf, sizeof buf,
+      "questkv run — cpu backend\n"
+      "  machine            %s\n"
+      "  geometry           %s\n"
+      "  workload           %s, seed %llu, batch %d, context %lld tokens, %lld decode steps\n"
+      "  policy             budget %lld tokens, sink %d + local %d pages, gqa %s, dense layers [%s]\n"
+      "  prefill            %.2f s\n"
+      "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n"
+      "  head-pages read    %lld of %lld (%.1f%%)\n"
+      "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n"
+      "  dense offload      %s (every page of every layer over the host link each step)\n"
+      "  bytes moved        host->hbm %lld, hbm->host %lld, host->disk %lld, disk->host %lld (tiers: not yet)\n"
+      "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e\n"
+      "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n"
+      "  output digest      %s\n",
+      r.topology.c_str(), o.config.geometry.ToString().c_str(), std::string(WorkloadKindName(o.workload)).c_str(),
+      static_cast<unsigned long long>(o.seed), o.batch, static_cast<long long>(o.context_tokens),
+      static_cast<long long>(o.decode_steps), static_cast<long long>(p.token_budget), p.sink_pages, p.local_pages,
+      std::string(GqaModeName(p.gqa)).c_str(), dense.c_str(), r.prefill_seconds, r.step_latency_us.p50,
+      r.step_latency_us.p99, o.config.geometry.layers, static_cast<long long>(r.head_pages_selected),
+      static_cast<long long>(r.head_pages_total),
+      r.head_pages_total ? 100.0 * r.head_pages_selected / r.head_pages_total : 0.0, Mib(r.kv_bytes_read).c_str(),
+      Mib(r.summary_bytes_read).c_str(), 100 * traffic, Mib(r.dense_kv_bytes).c_str(),
+      Mib(r.dense_offload_bytes).c_str(), static_cast<long long>(r.bytes_moved.host_to_hbm),
+      static_cast<long long>(r.bytes_moved.hbm_to_host), static_cast<long long>(r.bytes_moved.host_to_disk),
+      static_cast<long long>(r.bytes_moved.disk_to_host), r.diagnosed, r.page_recall, r.attention_mass_recall,
+      r.output_rel_error, r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r, Hex(r.output_digest).c_str());
+  return buf;
+}
+
+std::string ReportJson(const RunReport& r) {
+  const RunOptions& o = r.options;
+  const Geometry& g = o.config.geometry;
+  const SelectionPolicy& p = o.config.policy;
+  JsonWriter j;
+  j.BeginObject();
+  j.Field("backend", "cpu").Field("machine", r.topology);
+  j.BeginObject("geometry")
+      .Field("layers", g.layers)
+      .Field("q_heads", g.q_heads)
+      .Field("kv_heads", g.kv_heads)
+      .Field("head_dim", g.head_dim)
+      .Field("page_size", g.page_size)
+      .Field("dtype", DTypeName(g.dtype))
+      .EndObject();
+  j.Field("workload", WorkloadKindName(o.workload)).Field("seed", o.seed).Field("batch", o.batch);
+  j.Field("context_tokens", o.context_tokens).Field("decode_steps", o.decode_steps);
+  j.Field("token_budget", p.token_budget).Field("sink_pages", p.sink_pages).Field("local_pages", p.local_pages);
+  j.Field("gqa", GqaModeName(p.gqa));
+  j.BeginArray("dense_layers");
+  for (int l : p.dense_layers) j.Value(l);
+  j.EndArray();
+  j.BeginObject("bytes_moved")
+      .Field("host_to_hbm", r.bytes_moved.host_to_hbm)
+      .Field("hbm_to_host", r.bytes_moved.hbm_to_host)
+      .Field("host_to_disk", r.bytes_moved.host_to_disk)
+      .Field("disk_to_host", r.bytes_moved.disk_to_host)
+      .EndObject();
+  j.Field("dense_offload_bytes", r.dense_offload_bytes);
+  j.Field("kv_bytes_read", r.kv_bytes_read).Field("summary_bytes_read", r.summary_bytes_read);
+  j.Field("dense_kv_bytes", r.dense_kv_bytes);
+  j.Field("head_pages_selected", r.head_pages_selected).Field("head_pages_total", r.head_pages_total);
+  j.Field("pages_peak", uint64_t(r.pages_peak));
+  j.BeginObject("recall")
+      .Field("samples", r.diagnosed)
+      .Field("top_r", o.top_r)
+      .Field("page", r.page_recall)
+      .Field("attention_mass", r.attention_mass_recall)
+      .Field("output_rel_error", r.output_rel_error)
+      .Field("slack_mean", r.slack_mean)
+      .Field("exact_pages_read_fraction", r.exact_pages_read_fraction)
+      .EndObject();
+  j.BeginObject("step_latency_us")
+      .Field("p50", r.step_latency_us.p50)
+      .Field("p99", r.step_latency_us.p99)
+      .Field("mean", r.step_latency_us.mean)
+      .EndObject();
+  j.Field("prefill_seconds", r.prefill_seconds);
+  j.Field("output_digest", Hex(r.output_digest));
+  j.EndObject();
+  return j.str();
+}
+
+}  // namespace questkv::cli

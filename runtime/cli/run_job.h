@@ -1,0 +1,65 @@
+// The main job of `questkv run`: prefill a long context into every layer of a
+// batch of sequences from a synthetic workload, then decode N steps (append
+// one token's K/V per layer, Quest-select, sparse-attend), measuring step
+// latency, traffic and — on sampled steps — recall against dense attention.
+// Callable in-process (tests compare digests of runs with different settings).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "runtime/workload.h"
+
+namespace questkv::cli {
+
+struct RunOptions {
+  Config config;                 // geometry, policy, capacities
+  WorkloadKind workload = WorkloadKind::kStructured;
+  uint64_t seed = 1;
+  int64_t context_tokens = 32768;
+  int64_t decode_steps = 64;
+  int batch = 1;                 // sequences; sequence b holds context_tokens - 7*b tokens
+  int recall_every = 8;          // diagnose every N-th step (0: never)
+  int top_r = 16;                // R of the page-recall and exact top-R diagnostics
+  bool progress = true;
+};
+
+struct Percentiles {
+  double p50 = 0, p99 = 0, mean = 0;
+};
+
+struct RunReport {
+  RunOptions options;
+  std::string topology;
+  double prefill_seconds = 0;
+  Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
+  int64_t head_pages_selected = 0;
+  int64_t head_pages_total = 0;
+  int64_t kv_bytes_read = 0;       // K/V bytes sparse attention read
+  int64_t summary_bytes_read = 0;  // summary bytes scoring read
+  int64_t dense_kv_bytes = 0;      // K/V bytes dense attention would read
+  // Streaming every page of every layer (K/V, all heads, at the geometry's
+  // dtype) over the host link each step.
+  int64_t dense_offload_bytes = 0;
+  struct Links {
+    int64_t host_to_hbm = 0, hbm_to_host = 0, host_to_disk = 0, disk_to_host = 0;
+  } bytes_moved;                   // zero until the tiers exist
+  uint32_t pages_peak = 0;
+  // Means over sampled steps, sparse layers and sequences.
+  int diagnosed = 0;               // (step, layer, sequence) triples diagnosed
+  double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0;
+  double slack_mean = 0;
+  double exact_pages_read_fraction = 0;  // branch-and-bound pages read / pages
+  uint64_t output_digest = 0;      // FNV-1a over every decode output, in order
+};
+
+Result<RunReport> RunJob(const RunOptions& options);
+
+// Human-readable report and the one-object JSON report.
+std::string FormatReport(const RunReport& r);
+std::string ReportJson(const RunReport& r);
+
+}  // namespace questkv::cli
