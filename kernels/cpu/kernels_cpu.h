@@ -49,7 +49,7 @@ void ScorePagesCpu(const float* q, int group, int head_dim, const float* slab, i
 // (skip may be null). Order: higher score first, ties toward the lower index;
 // NaN ranks below every number. Writes the chosen indices to out in ascending
 // index order and returns how many were chosen (min(k, candidates)).
-// scratch must hold n ints.
+// out must hold min(k, n) ints, scratch n ints.
 int TopKCpu(const float* scores, int n, const uint8_t* skip, int k, int* out, int* scratch);
 
 // ---- attention ---------------------------------------------------------------
@@ -63,9 +63,11 @@ struct HeadPageRef {
 
 // Sparse decode attention of the G query heads of one KV group over n
 // head-pages, in any order: each page yields a partial state, merged with
-// MergeState (online softmax). Every K/V row is read once for all G heads.
-// Outputs the merged state per query head: o [G][D], m [G], d [G]; n == 0
-// gives the empty state. scale multiplies q·k (1/sqrt(D) for the model).
+// MergeState (online softmax). Every K/V row is read once for all G heads
+// (once per 16 heads for wider groups, a bound that keeps the scratch on the
+// stack). Outputs the merged state per query head: o [G][D], m [G], d [G];
+// n == 0 gives the empty state. scale multiplies q·k (1/sqrt(D) for the
+// model). head_dim <= 512 (asserted).
 void AttendPagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
                     float scale, float* o, float* m, float* d);
 
@@ -74,7 +76,7 @@ void AttendPagesCpu(const float* q, int group, int head_dim, const HeadPageRef* 
 // Dense attention of one query over T contiguous tokens, computed in double
 // with a two-pass softmax: the independent reference for tests and the
 // recall diagnostics.
-//   q [D]; k, v [T][D] (row stride `stride` floats); out [D]
+//   q [D]; k, v [T][D] (row stride `stride` floats); out [D], zeros if T == 0
 void DenseAttentionReference(const float* q, const float* k, const float* v, int tokens,
                              int head_dim, std::size_t stride, double scale, float* out);
 

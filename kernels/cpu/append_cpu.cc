@@ -1,0 +1,66 @@
+// Append + summary (eq. 8/14): the summary is folded on the append path, so a
+// query never rescans page keys to score a page.
+#include <cstddef>
+#include <limits>
+
+#include "kernels/cpu/kernels_cpu.h"
+
+namespace questkv::kernels {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// min/max of one key row into one head's summary [2][D]. Written as two plain
+// loops over contiguous D so the compiler emits minps/maxps.
+void FoldKey(float* summary_head, const float* key, int head_dim) {
+  float* lo = summary_head;
+  float* hi = summary_head + head_dim;
+  for (int j = 0; j < head_dim; ++j) lo[j] = key[j] < lo[j] ? key[j] : lo[j];
+  for (int j = 0; j < head_dim; ++j) hi[j] = key[j] > hi[j] ? key[j] : hi[j];
+}
+
+void CopyRow(float* dst, const float* src, int head_dim) {
+  for (int j = 0; j < head_dim; ++j) dst[j] = src[j];
+}
+
+}  // namespace
+
+void AppendTokensCpu(float* page, float* summary, int kv_heads, int page_size, int head_dim,
+                     int offset, const float* k, const float* v, int n) {
+  const std::size_t head_page = std::size_t(page_size) * head_dim;
+  float* k_base = page;
+  float* v_base = page + std::size_t(kv_heads) * head_page;
+  for (int t = 0; t < n; ++t) {
+    const std::size_t slot = std::size_t(offset + t) * head_dim;
+    for (int h = 0; h < kv_heads; ++h) {
+      const std::size_t src = (std::size_t(t) * kv_heads + h) * head_dim;
+      float* k_row = k_base + h * head_page + slot;
+      CopyRow(k_row, k + src, head_dim);
+      CopyRow(v_base + h * head_page + slot, v + src, head_dim);
+      FoldKey(summary + std::size_t(h) * 2 * head_dim, k_row, head_dim);
+    }
+  }
+}
+
+void ResetSummaryCpu(float* summary, int kv_heads, int head_dim) {
+  for (int h = 0; h < kv_heads; ++h) {
+    float* lo = summary + std::size_t(h) * 2 * head_dim;
+    float* hi = lo + head_dim;
+    for (int j = 0; j < head_dim; ++j) lo[j] = kInf;
+    for (int j = 0; j < head_dim; ++j) hi[j] = -kInf;
+  }
+}
+
+void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size,
+                       int head_dim, int len) {
+  ResetSummaryCpu(summary, kv_heads, head_dim);
+  const std::size_t head_page = std::size_t(page_size) * head_dim;
+  for (int h = 0; h < kv_heads; ++h) {
+    const float* k_head = page + h * head_page;
+    for (int r = 0; r < len; ++r)
+      FoldKey(summary + std::size_t(h) * 2 * head_dim, k_head + std::size_t(r) * head_dim,
+              head_dim);
+  }
+}
+
+}  // namespace questkv::kernels

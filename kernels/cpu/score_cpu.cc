@@ -1,0 +1,46 @@
+// Page scores U_p(q) (eq. 2–3): the upper bound of max_r q·k_r inside a page.
+#include <cstddef>
+
+#include "kernels/cpu/kernels_cpu.h"
+
+namespace questkv::kernels {
+namespace {
+
+// Independent partial sums let the compiler keep a SIMD register of
+// accumulators without -ffast-math (float addition is not reassociated).
+constexpr int kLanes = 8;
+
+float PageBound(const float* q, const float* lo, const float* hi, int head_dim) {
+  float acc[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= head_dim; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float a = q[j + l] * lo[j + l];
+      const float b = q[j + l] * hi[j + l];
+      acc[l] += a > b ? a : b;
+    }
+  float sum = 0.f;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; j < head_dim; ++j) {
+    const float a = q[j] * lo[j];
+    const float b = q[j] * hi[j];
+    sum += a > b ? a : b;
+  }
+  return sum;
+}
+
+}  // namespace
+
+void ScorePagesCpu(const float* q, int group, int head_dim, const float* slab, int kv_heads,
+                   int kv_head, const uint32_t* page_ids, int n, float* scores) {
+  const std::size_t summary_elems = std::size_t(kv_heads) * 2 * head_dim;
+  // Page-major so each summary is read once from memory for all G heads.
+  for (int i = 0; i < n; ++i) {
+    const float* lo = slab + page_ids[i] * summary_elems + std::size_t(kv_head) * 2 * head_dim;
+    const float* hi = lo + head_dim;
+    for (int g = 0; g < group; ++g)
+      scores[std::size_t(g) * n + i] = PageBound(q + std::size_t(g) * head_dim, lo, hi, head_dim);
+  }
+}
+
+}  // namespace questkv::kernels

@@ -1,0 +1,156 @@
+// Page scores: the formula of eq. 2–3, the bound of eq. 4, and the seed's
+// hand examples (§1.1).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/kernels_cpu.h"
+#include "tests/testing/reference.h"
+
+namespace questkv::kernels {
+namespace {
+
+// Σ_j max(q_j·lo_j, q_j·hi_j) in double, and the scale of its rounding error.
+struct Bound {
+  double value, magnitude;
+};
+Bound BruteBound(const float* q, const float* lo, const float* hi, int d) {
+  Bound b{0, 0};
+  for (int j = 0; j < d; ++j) {
+    const double t = std::max(double(q[j]) * lo[j], double(q[j]) * hi[j]);
+    b.value += t;
+    b.magnitude += std::abs(t);
+  }
+  return b;
+}
+
+TEST(ScorePages, MatchesFormula) {
+  uint64_t seed = 1;
+  for (int group : {1, 2, 4, 8})
+    for (int d : {1, 7, 64, 128}) {
+      const int hkv = 3, slab_pages = 40, n = 25;
+      // Boxes with lo <= hi, in a slab larger than the pages scored.
+      auto slab = test::RandomNormal(std::size_t(slab_pages) * hkv * 2 * d, seed++);
+      for (std::size_t i = 0; i < slab.size(); i += 2 * d)
+        for (int j = 0; j < d; ++j)
+          if (slab[i + j] > slab[i + d + j]) std::swap(slab[i + j], slab[i + d + j]);
+      std::vector<uint32_t> ids(slab_pages);
+      std::iota(ids.begin(), ids.end(), 0u);
+      std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed++));
+      const auto q = test::RandomNormal(std::size_t(group) * d, seed++);
+      for (int h = 0; h < hkv; ++h) {
+        std::vector<float> scores(std::size_t(group) * n);
+        ScorePagesCpu(q.data(), group, d, slab.data(), hkv, h, ids.data(), n, scores.data());
+        for (int g = 0; g < group; ++g)
+          for (int i = 0; i < n; ++i) {
+            const float* lo = slab.data() + (std::size_t(ids[i]) * hkv + h) * 2 * d;
+            const Bound b = BruteBound(q.data() + g * d, lo, lo + d, d);
+            ASSERT_NEAR(scores[g * n + i], b.value, 1e-5 * b.magnitude + 1e-30)
+                << "G=" << group << " D=" << d << " h=" << h << " g=" << g << " i=" << i;
+          }
+      }
+    }
+}
+
+// Eq. 4: U_p(q) >= max_r q·k_r over the valid keys of every page, including
+// partial tail pages, and equality for one-token pages (the box is the key).
+TEST(ScorePages, UpperBoundsTrueMaxLogit) {
+  uint64_t seed = 50;
+  for (int s : {1, 3, 7, 16, 17})
+    for (int len : {1, s / 2 + 1, s}) {
+      const int hkv = 2, d = 32, group = 4, n = 12;
+      std::vector<float> page(2 * std::size_t(hkv) * s * d);
+      std::vector<float> slab(std::size_t(n) * hkv * 2 * d);
+      std::vector<float> keys_all;
+      for (int p = 0; p < n; ++p) {
+        const auto keys = test::RandomNormal(std::size_t(len) * hkv * d, seed++);
+        float* summary = slab.data() + std::size_t(p) * hkv * 2 * d;
+        ResetSummaryCpu(summary, hkv, d);
+        AppendTokensCpu(page.data(), summary, hkv, s, d, 0, keys.data(), keys.data(), len);
+        keys_all.insert(keys_all.end(), keys.begin(), keys.end());
+      }
+      std::vector<uint32_t> ids(n);
+      std::iota(ids.begin(), ids.end(), 0u);
+      const auto q = test::RandomNormal(std::size_t(group) * d, seed++);
+      for (int h = 0; h < hkv; ++h) {
+        std::vector<float> scores(std::size_t(group) * n);
+        ScorePagesCpu(q.data(), group, d, slab.data(), hkv, h, ids.data(), n, scores.data());
+        for (int g = 0; g < group; ++g)
+          for (int p = 0; p < n; ++p) {
+            double best = -INFINITY, magnitude = 0;
+            for (int r = 0; r < len; ++r) {
+              const float* k = keys_all.data() + ((std::size_t(p) * len + r) * hkv + h) * d;
+              double dot = 0;
+              for (int j = 0; j < d; ++j) {
+                dot += double(q[g * d + j]) * k[j];
+                magnitude += std::abs(double(q[g * d + j]) * k[j]);
+              }
+              best = std::max(best, dot);
+            }
+            const double tol = 1e-5 * magnitude;
+            ASSERT_GE(scores[g * n + p], best - tol) << "S=" << s << " len=" << len;
+            if (len == 1) {
+              ASSERT_NEAR(scores[g * n + p], best, tol);
+            }
+          }
+      }
+    }
+}
+
+// Builds a one-head slab from pages of 2-D keys.
+std::vector<float> SlabOf(const std::vector<std::vector<float>>& pages, int s) {
+  std::vector<float> slab(pages.size() * 4), page(2 * std::size_t(s) * 2, 1e30f);
+  for (std::size_t p = 0; p < pages.size(); ++p) {
+    ResetSummaryCpu(slab.data() + 4 * p, 1, 2);
+    const int n = int(pages[p].size() / 2);
+    AppendTokensCpu(page.data(), slab.data() + 4 * p, 1, s, 2, 0, pages[p].data(),
+                    pages[p].data(), n);
+  }
+  return slab;
+}
+
+// Seed §1.1: the page (1,4), (3,-2), (-1,1) with q = (2,-1) scores 6 + 2 = 8,
+// and so does (3,4), (-1,-2) (same box) though its true max is only 2.
+TEST(ScorePages, SeedHandExample) {
+  const std::vector<float> q = {2, -1};
+  const auto slab = SlabOf({{1, 4, 3, -2, -1, 1}, {3, 4, -1, -2}}, 3);
+  const uint32_t ids[] = {0, 1};
+  float scores[2];
+  ScorePagesCpu(q.data(), 1, 2, slab.data(), 1, 0, ids, 2, scores);
+  EXPECT_EQ(scores[0], 8.f);
+  EXPECT_EQ(scores[1], 8.f);
+}
+
+// Seed §1.1's four pages: true max logits A 10, B 3, C 2, D 1 and bounds 14
+// for B, 12 for C, 10 for A, 4 for D. K = 2 picks B and C and misses A; K = 3
+// recalls A. Realised with q = (1,1) and keys whose box corners do not exist.
+TEST(ScorePages, SeedFourPageExampleNeedsK3ForA) {
+  const std::vector<float> q = {1, 1};
+  const std::vector<std::vector<float>> keys = {
+      {5, 5}, {7, -4, -4, 7}, {6, -4, -4, 6}, {2, -1, -1, 2}};
+  const auto slab = SlabOf(keys, 2);
+  const uint32_t ids[] = {0, 1, 2, 3};
+  float scores[4];
+  ScorePagesCpu(q.data(), 1, 2, slab.data(), 1, 0, ids, 4, scores);
+  EXPECT_EQ(std::vector<float>(scores, scores + 4), (std::vector<float>{10, 14, 12, 4}));
+  const float true_max[] = {10, 3, 2, 1};
+  for (int p = 0; p < 4; ++p) {
+    float best = -INFINITY;
+    for (std::size_t r = 0; r < keys[p].size(); r += 2)
+      best = std::max(best, q[0] * keys[p][r] + q[1] * keys[p][r + 1]);
+    EXPECT_EQ(best, true_max[p]);
+  }
+  int out[4], scratch[4];
+  ASSERT_EQ(TopKCpu(scores, 4, nullptr, 2, out, scratch), 2);
+  EXPECT_EQ(std::vector<int>(out, out + 2), (std::vector<int>{1, 2}));
+  ASSERT_EQ(TopKCpu(scores, 4, nullptr, 3, out, scratch), 3);
+  EXPECT_EQ(std::vector<int>(out, out + 3), (std::vector<int>{0, 1, 2}));
+}
+
+}  // namespace
+}  // namespace questkv::kernels
