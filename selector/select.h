@@ -45,22 +45,30 @@ class Selector {
   // Geometry and policy must already be validated.
   Selector(const Geometry& g, const SelectionPolicy& p);
 
-  // Fills out. InvalidArgument for num_pages < 1 or null pointers.
+  // Fills out. InvalidArgument for num_pages < 1, null pointers, or a layer
+  // outside the geometry.
   Status Select(const SelectInput& in, PageSelection* out);
 
-  // Scores of the last Select for one query head, [num_pages] (empty if the
-  // last Select did not score: dense layer or full budget). For diagnostics.
+  // Scores U_p(q) of the last Select, [Hq][num_pages] (row = query head), or
+  // empty if the last Select did not score: a dense layer or a budget that
+  // covers every page selects all pages without ranking them. For diagnostics.
   const std::vector<float>& scores() const { return scores_; }
 
  private:
+  int MarkSinkAndLocal(int n);
+  void ScoreAll(const SelectInput& in);
+  const float* HeadScores(int q_head) const;
+  void Aggregate(int kv_head, int n);
+  void MarkTopK(const float* scores, int n, int k);
+
   Geometry g_;
   SelectionPolicy p_;
   std::vector<float> scores_;     // [Hq][num_pages]
   std::vector<float> agg_;        // [num_pages]
-  std::vector<uint8_t> skip_;     // [num_pages]
+  std::vector<uint8_t> skip_;     // [num_pages] sink ∪ local
   std::vector<int> chosen_;       // [num_pages]
   std::vector<int> scratch_;      // [num_pages]
-  std::vector<uint8_t> mark_;     // [num_pages]
+  std::vector<uint8_t> mark_;     // [num_pages] the KV head's row being built
 };
 
 }  // namespace questkv

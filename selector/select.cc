@@ -1,0 +1,118 @@
+#include "selector/select.h"
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cpu/kernels_cpu.h"
+
+namespace questkv {
+
+Selector::Selector(const Geometry& g, const SelectionPolicy& p) : g_(g), p_(p) {}
+
+namespace {
+
+Status ValidateInput(const SelectInput& in, const Geometry& g, const PageSelection* out) {
+  if (in.q == nullptr) return Status::InvalidArgument("Select: q is null");
+  if (in.summary_slab == nullptr) return Status::InvalidArgument("Select: summary_slab is null");
+  if (in.page_ids == nullptr) return Status::InvalidArgument("Select: page_ids is null");
+  if (out == nullptr) return Status::InvalidArgument("Select: out is null");
+  if (in.num_pages < 1)
+    return Status::InvalidArgument("Select: num_pages = " + std::to_string(in.num_pages) +
+                                   ", must be >= 1");
+  if (in.layer < 0 || in.layer >= g.layers)
+    return Status::InvalidArgument("Select: layer = " + std::to_string(in.layer) +
+                                   " is not a layer of " + g.ToString());
+  return Status::Ok();
+}
+
+// Appends the indices i with flags[i] != 0, ascending, as the next CSR row.
+void EmitRow(const std::vector<uint8_t>& flags, int n, PageSelection* out) {
+  for (int i = 0; i < n; ++i)
+    if (flags[i]) out->pages.push_back(i);
+  out->indptr.push_back(int32_t(out->pages.size()));
+}
+
+}  // namespace
+
+Status Selector::Select(const SelectInput& in, PageSelection* out) {
+  QKV_RETURN_IF_ERROR(ValidateInput(in, g_, out));
+  const int n = in.num_pages;
+  out->indptr.assign(1, 0);
+  out->pages.clear();
+  scores_.clear();
+  const int64_t page_budget = p_.page_budget(in.layer, g_.page_size);
+  if (p_.is_dense(in.layer) || page_budget >= n) {
+    // Every page is attended, so ranking would change nothing: skip scoring.
+    mark_.assign(n, 1);
+    for (int h = 0; h < g_.kv_heads; ++h) EmitRow(mark_, n, out);
+    return Status::Ok();
+  }
+  const int fixed = MarkSinkAndLocal(n);
+  const int k = int(std::max<int64_t>(0, page_budget - fixed));
+  ScoreAll(in);
+  for (int h = 0; h < g_.kv_heads; ++h) {
+    mark_.assign(skip_.begin(), skip_.end());
+    if (p_.gqa == GqaMode::kUnion) {
+      for (int gi = 0; gi < g_.group(); ++gi) MarkTopK(HeadScores(h * g_.group() + gi), n, k);
+    } else {
+      Aggregate(h, n);
+      MarkTopK(agg_.data(), n, k);
+    }
+    EmitRow(mark_, n, out);
+  }
+  return Status::Ok();
+}
+
+// skip_ := sink ∪ local (these are taken regardless of score, so top-K skips
+// them). The local window keeps at least the tail page even if a policy that
+// bypassed validation says 0. Returns |sink ∪ local|.
+int Selector::MarkSinkAndLocal(int n) {
+  skip_.assign(n, 0);
+  const int sink = std::min(p_.sink_pages, n);
+  const int local = std::min(std::max(p_.local_pages, 1), n);
+  for (int i = 0; i < sink; ++i) skip_[i] = 1;
+  for (int i = n - local; i < n; ++i) skip_[i] = 1;
+  int fixed = 0;
+  for (int i = 0; i < n; ++i) fixed += skip_[i];
+  return fixed;
+}
+
+void Selector::ScoreAll(const SelectInput& in) {
+  const int n = in.num_pages;
+  const int group = g_.group();
+  scores_.resize(std::size_t(g_.q_heads) * n);
+  for (int h = 0; h < g_.kv_heads; ++h)
+    kernels::ScorePagesCpu(in.q + std::size_t(h) * group * g_.head_dim, group, g_.head_dim,
+                           in.summary_slab, g_.kv_heads, h, in.page_ids, n,
+                           scores_.data() + std::size_t(h) * group * n);
+}
+
+const float* Selector::HeadScores(int q_head) const {
+  const std::size_t n = scores_.size() / g_.q_heads;
+  return scores_.data() + q_head * n;
+}
+
+// agg_[i] := max or mean over the group's query heads of U_i.
+void Selector::Aggregate(int kv_head, int n) {
+  const int group = g_.group();
+  const float* first = HeadScores(kv_head * group);
+  agg_.assign(first, first + n);
+  for (int gi = 1; gi < group; ++gi) {
+    const float* s = HeadScores(kv_head * group + gi);
+    if (p_.gqa == GqaMode::kMax)
+      for (int i = 0; i < n; ++i) agg_[i] = std::max(agg_[i], s[i]);
+    else
+      for (int i = 0; i < n; ++i) agg_[i] += s[i];
+  }
+  if (p_.gqa == GqaMode::kMean)
+    for (int i = 0; i < n; ++i) agg_[i] /= float(group);
+}
+
+void Selector::MarkTopK(const float* scores, int n, int k) {
+  chosen_.resize(n);
+  scratch_.resize(n);
+  const int got = kernels::TopKCpu(scores, n, skip_.data(), k, chosen_.data(), scratch_.data());
+  for (int i = 0; i < got; ++i) mark_[chosen_[i]] = 1;
+}
+
+}  // namespace questkv
