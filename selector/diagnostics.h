@@ -33,14 +33,25 @@ struct StepDiagnostics {
 };
 
 // sparse_out: [Hq][D] the sparse output of this step. scores: [Hq][P] U_p(q)
-// per query head (from ScorePagesCpu). R >= 1.
+// per query head (from ScorePagesCpu), P = ceil(T / S); the last page may be
+// partial. sel: the Selector's output for these P pages. Query head h reads
+// KV head h / G. Top-R ranks unscaled logits q·k in double, ties toward the
+// lower token index (the same order as ExactTopRSearch); the mass recall and
+// the dense output use the scale 1/sqrt(D). InvalidArgument for an invalid
+// geometry, null pointers, T < 1, K/V sizes other than [Hkv][T][D], a
+// selection that is not a CSR of Hkv rows of pages in [0, P), or R outside
+// 1..T.
 Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseView& kv,
                                  const PageSelection& sel, const float* scores,
                                  const float* sparse_out, int top_r);
 
 // Exact top-R by branch-and-bound (seed §3.2): per query head, read pages in
-// descending order of U_p until the next unread bound is below the R-th best
-// true logit seen. The result certifies the exact dense top-R tokens.
+// descending order of U_p (ties toward the lower page; a NaN bound is read
+// first, as +inf) until R tokens are seen and the next unread bound is
+// strictly below the R-th best true logit seen, τ_R. The result certifies the
+// exact dense top-R tokens under Diagnose's ranking, provided the bounds hold
+// (eq. 4; fp32 rounding of U_p can undercut a tight bound by a few ulps).
+// Same inputs and errors as Diagnose, less the selection and output.
 struct ExactTopR {
   std::vector<std::vector<int32_t>> tokens;  // [Hq] token indices, ascending
   std::vector<int32_t> pages_read;           // [Hq]
