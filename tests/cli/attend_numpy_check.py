@@ -84,6 +84,11 @@ def make_inputs(case, rng):
     return k.astype(case["kv_dtype"]), v.astype(case["kv_dtype"]), q.astype(case["q_dtype"])
 
 
+def rel_error(got, want):
+    """L2 relative error per query head."""
+    return np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
+
+
 def run(binary, args):
     return subprocess.run([binary, "attend"] + args, capture_output=True, text=True)
 
@@ -113,13 +118,18 @@ def check_case(binary, tmp, case, k, v, q):
     if got_o.dtype != np.float32 or got_o.shape != want_o.shape:
         problems.append("output dtype/shape %s %s, want float32 %s" % (got_o.dtype, got_o.shape, want_o.shape))
         return problems, np.inf
-    # Compare against attention over the pages the binary chose, too, so an
-    # output error is told apart from a selection error.
-    err = np.linalg.norm(got_o - want_o, axis=1) / np.maximum(np.linalg.norm(want_o, axis=1), 1e-30)
+    err = rel_error(got_o, want_o)
     worst = float(err.max())
     if worst > REL_TOL:
         problems.append("output relative error %.3g > %g (per query head: %s)" %
                         (worst, REL_TOL, np.array2string(err, precision=2)))
+    if problems and got_sel.ndim == 2 and got_sel.shape[0] == k.shape[0]:
+        # Tell an output error apart from a selection error: is the output at
+        # least attention over the pages the binary says it chose?
+        rows = [[int(p) for p in row if p >= 0] for row in got_sel]
+        if all(rows) and all(0 <= p < ref.num_pages(case["t"], case["s"]) for r in rows for p in r):
+            own = float(rel_error(got_o, ref.attend(k32, v32, q32, case["s"], rows)).max())
+            problems.append("output vs attention over its own SEL: relative error %.3g" % own)
     return problems, worst
 
 
@@ -130,8 +140,9 @@ def describe(case):
 
 
 def check_errors(binary, tmp):
-    """Bad inputs through the real binary: exit codes and messages."""
-    problems = []
+    """Bad inputs through the real binary: exit codes and messages.
+    -> (number of checks, list of problems)."""
+    problems, checks = [], []
     paths = {n: os.path.join(tmp, n + ".npy") for n in ("k", "v", "q", "o")}
     rng = np.random.default_rng(7)
     k = rng.standard_normal((2, 20, 8)).astype(np.float32)
@@ -142,6 +153,7 @@ def check_errors(binary, tmp):
     def expect(name, args, code, needle, files):
         for n, a in files.items():
             np.save(paths[n], a)
+        checks.append(name)
         r = run(binary, args)
         if r.returncode != code or needle not in r.stderr:
             problems.append("%s: exit %d (want %d), stderr %r (want %r)" % (name, r.returncode, code, r.stderr, needle))
@@ -157,7 +169,7 @@ def check_errors(binary, tmp):
     expect("big-endian", base, 1, "big-endian", dict(ok, k=k.astype(">f4")))
     expect("budget below sink + local", base + ["--sink-pages", "1", "--local-pages", "2"], 2, "fewer than", ok)
     expect("missing flag", base[2:], 2, "missing required flag --keys", ok)
-    return problems
+    return len(checks), problems
 
 
 def main():
@@ -171,7 +183,7 @@ def main():
         sys.stderr.write("attend_numpy_check: FAILED: %s is not an executable\n" % opts.binary)
         return 1
 
-    failures, worst, regenerated, boundary_ties = [], 0.0, 0, 0
+    failures, worst, regenerated, boundary_ties, bad_cases = [], 0.0, 0, 0, 0
     counts = dict(f16=0, dense=0, ties=0, sparse=0)
     with tempfile.TemporaryDirectory(prefix="questkv_attend_check_") as tmp:
         for i in range(opts.cases):
@@ -188,6 +200,7 @@ def main():
                 regenerated += 1
             else:
                 failures.append("case %d (%s): no input without near-ties in 50 draws" % (i, describe(case)))
+                bad_cases += 1
                 continue
             problems, err = check_case(opts.binary, tmp, case, k, v, q)
             worst = max(worst, err)
@@ -198,17 +211,19 @@ def main():
                                          case["dense"]) is not None
             if opts.verbose:
                 print("case %d: %s: %s, err %.2g" % (i, describe(case), "ok" if not problems else "MISMATCH", err))
+            bad_cases += bool(problems)
             for p in problems:
                 failures.append("case %d (seed [%d, %d]; %s): %s" % (i, opts.seed, i, describe(case), p))
-        error_problems = check_errors(opts.binary, tmp)
+        error_checks, error_problems = check_errors(opts.binary, tmp)
     failures += ["bad input: " + p for p in error_problems]
+    bad_cases += len(error_problems)
 
     for f in failures[:20]:
         sys.stderr.write(f + "\n")
     print("attend_numpy_check: %s: %d cases (%d sparse, %d dense, %d with float16, %d with planted ties; "
-          "%d exact ties at a top-K boundary, %d near-tie draws redrawn), 8 bad-input checks, %d mismatches, worst output rel error %.2g (tol %g)" %
+          "%d exact ties at a top-K boundary, %d near-tie draws redrawn), %d bad-input checks, %d failing, worst output rel error %.2g (tol %g)" %
           ("FAILED" if failures else "ok", opts.cases, counts["sparse"], counts["dense"], counts["f16"],
-           counts["ties"], boundary_ties, regenerated, len(failures), worst, REL_TOL))
+           counts["ties"], boundary_ties, regenerated, error_checks, bad_cases, worst, REL_TOL))
     return 1 if failures else 0
 
 
