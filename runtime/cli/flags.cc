@@ -29,6 +29,7 @@ Status Flags::Parse(int argc, char** argv) {
       value = arg.substr(eq + 1);
       arg = arg.substr(0, eq);
     }
+    if (values_.count(arg)) return Status::InvalidArgument("--" + arg + " given twice");
     if (booleans_.count(arg)) {
       if (inline_value) return Status::InvalidArgument("--" + arg + " takes no value");
       values_[arg] = "1";
