@@ -65,8 +65,9 @@ class Runtime {
 
   // Sparse decode attention for a batch at one layer: q [B][Hq][D] -> out
   // [B][Hq][D], softmax scale 1/sqrt(D). Every sequence must hold >= 1 token
-  // in the layer. `selections`, when non-null, receives each sequence's
-  // selection. `stats`, when non-null, is incremented.
+  // in the layer. `selections`, when non-null, is resized to the batch and
+  // entry b receives seqs[b]'s selection. `stats`, when non-null, is
+  // incremented.
   Status DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
                          std::vector<PageSelection>* selections = nullptr,
                          AttendStats* stats = nullptr);
