@@ -71,6 +71,26 @@ TEST(TopK, MatchesFullSortOnDistinctScores) {
   }
 }
 
+// Floats a few ulps apart share every key digit but the last, and denormals,
+// ±0, the extremes and NaN sit at the ends of the key range: radix select must
+// order them all exactly like comparisons do.
+TEST(TopK, MatchesFullSortOnNearbyAndExtremeFloats) {
+  std::mt19937_64 rng(9);
+  const float specials[] = {0.f, -0.f, 1e-45f, -1e-45f, 1e-40f, std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::lowest(), INFINITY, -INFINITY, kNaN};
+  for (int rep = 0; rep < 20; ++rep) {
+    const int n = 1 + int(rng() % 3000);
+    std::vector<float> s(n);
+    for (float& x : s) {
+      const float base = rng() % 2 ? 1.f : -1.f;
+      float v = base;
+      for (int step = int(rng() % 40); step > 0; --step) v = std::nextafter(v, 2.f);
+      x = rng() % 10 == 0 ? specials[rng() % 10] : v;
+    }
+    for (int k : {1, 7, n / 3, n - 1}) ASSERT_EQ(RunTopK(s, {}, k), SortedTopK(s, {}, k)) << "n=" << n;
+  }
+}
+
 TEST(TopK, EqualScoresGoToLowerIndices) {
   const std::vector<float> s(10, 1.f);
   EXPECT_EQ(RunTopK(s, {}, 3), (std::vector<int>{0, 1, 2}));
