@@ -61,8 +61,7 @@ void BM_ScorePages(benchmark::State& state) {
   const auto q = Normal(std::size_t(group) * d, 2);
   std::vector<float> scores(std::size_t(group) * pages);
   for (auto _ : state) {
-    kernels::ScorePagesCpu(q.data(), group, d, slab.data(), 1, 0, ids.data(), pages,
-                           scores.data());
+    kernels::ScorePagesCpu(q.data(), group, d, slab.data(), 1, 0, ids.data(), pages, scores.data());
     benchmark::DoNotOptimize(scores.data());
   }
   state.SetBytesProcessed(state.iterations() * int64_t(pages) * 2 * d * sizeof(float));
@@ -103,14 +102,17 @@ void BM_AttendPages(benchmark::State& state) {
   }
   std::vector<float> o(std::size_t(group) * d), m(group), den(group);
   for (auto _ : state) {
-    kernels::AttendPagesCpu(q.data(), group, d, refs.data(), chosen, 0.088388f, o.data(),
-                            m.data(), den.data());
+    kernels::AttendPagesCpu(q.data(), group, d, refs.data(), chosen, 0.088388f, o.data(), m.data(),
+                            den.data());
     benchmark::DoNotOptimize(o.data());
   }
-  state.SetBytesProcessed(state.iterations() * int64_t(chosen) * 2 * kPageSize * d *
-                          sizeof(float));
+  state.SetBytesProcessed(state.iterations() * int64_t(chosen) * 2 * kPageSize * d * sizeof(float));
 }
-BENCHMARK(BM_AttendPages)->Name("AttendPages")->ArgName("budget")->RangeMultiplier(2)->Range(512, 4096);
+BENCHMARK(BM_AttendPages)
+    ->Name("AttendPages")
+    ->ArgName("budget")
+    ->RangeMultiplier(2)
+    ->Range(512, 4096);
 
 void BM_Select(benchmark::State& state) {
   Geometry g;

@@ -21,11 +21,12 @@ Status ValidateCommon(const Geometry& g, const float* q, const DenseView& kv, co
   QKV_RETURN_IF_ERROR(g.Validate());
   if (q == nullptr) return Status::InvalidArgument("q is null");
   if (scores == nullptr) return Status::InvalidArgument("scores is null");
-  if (kv.tokens < 1) return Status::InvalidArgument("kv.tokens = " + Num(kv.tokens) + ", must be >= 1");
+  if (kv.tokens < 1)
+    return Status::InvalidArgument("kv.tokens = " + Num(kv.tokens) + ", must be >= 1");
   const std::size_t elems = std::size_t(g.kv_heads) * kv.tokens * g.head_dim;
   if (kv.k.size() != elems || kv.v.size() != elems)
-    return Status::InvalidArgument("kv.k has " + Num(kv.k.size()) + " and kv.v " + Num(kv.v.size()) +
-                                   " floats; [Hkv][T][D] needs " + Num(elems));
+    return Status::InvalidArgument("kv.k has " + Num(kv.k.size()) + " and kv.v " +
+                                   Num(kv.v.size()) + " floats; [Hkv][T][D] needs " + Num(elems));
   if (top_r < 1 || top_r > kv.tokens)
     return Status::InvalidArgument("top_r = " + Num(top_r) + ", must be in 1..tokens (" +
                                    Num(kv.tokens) + ")");
@@ -42,7 +43,8 @@ Status ValidateSelection(const PageSelection& sel, int kv_heads, int pages) {
       return Status::InvalidArgument("selection indptr decreases at KV head " + Num(h));
   for (int32_t p : sel.pages)
     if (p < 0 || p >= pages)
-      return Status::InvalidArgument("selected page " + Num(p) + " is outside 0.." + Num(pages - 1));
+      return Status::InvalidArgument("selected page " + Num(p) + " is outside 0.." +
+                                     Num(pages - 1));
   return Status::Ok();
 }
 
@@ -74,8 +76,12 @@ struct HeadView {
 
 HeadView ViewOf(const Geometry& g, const float* q, const DenseView& kv, int q_head) {
   const std::size_t base = std::size_t(q_head / g.group()) * kv.tokens * g.head_dim;
-  return {q + std::size_t(q_head) * g.head_dim, kv.k.data() + base, kv.v.data() + base,
-          kv.tokens, g.head_dim, g.page_size};
+  return {q + std::size_t(q_head) * g.head_dim,
+          kv.k.data() + base,
+          kv.v.data() + base,
+          kv.tokens,
+          g.head_dim,
+          g.page_size};
 }
 
 void Logits(const HeadView& hv, std::vector<double>* out) {
@@ -164,8 +170,8 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
     d.attention_mass_recall += MassRecall(logits, scale, g.page_size, selected);
     Slack(logits, g.page_size, scores + std::size_t(hq) * pages,
           d.slack.data() + std::size_t(hq) * pages);
-    kernels::DenseAttentionReference(hv.q, hv.k, hv.v, hv.tokens, hv.head_dim, hv.head_dim,
-                                     scale, dense.data());
+    kernels::DenseAttentionReference(hv.q, hv.k, hv.v, hv.tokens, hv.head_dim, hv.head_dim, scale,
+                                     dense.data());
     const float* sparse = sparse_out + std::size_t(hq) * g.head_dim;
     for (int j = 0; j < g.head_dim; ++j) {
       err_sq += (double(sparse[j]) - dense[j]) * (double(sparse[j]) - dense[j]);
@@ -190,9 +196,8 @@ std::vector<int> ReadOrder(const float* scores, int pages) {
   };
   std::vector<int> order(pages);
   for (int p = 0; p < pages; ++p) order[p] = p;
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    return key(a) != key(b) ? key(a) > key(b) : a < b;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return key(a) != key(b) ? key(a) > key(b) : a < b; });
   return order;
 }
 
@@ -234,8 +239,8 @@ Result<ExactTopR> ExactTopRSearch(const Geometry& g, const float* q, const Dense
   r.tokens.resize(g.q_heads);
   r.pages_read.resize(g.q_heads);
   for (int hq = 0; hq < g.q_heads; ++hq)
-    r.pages_read[hq] = SearchHead(ViewOf(g, q, kv, hq), scores + std::size_t(hq) * pages, top_r,
-                                  &r.tokens[hq]);
+    r.pages_read[hq] =
+        SearchHead(ViewOf(g, q, kv, hq), scores + std::size_t(hq) * pages, top_r, &r.tokens[hq]);
   return r;
 }
 

@@ -51,8 +51,8 @@ void ResetSummaryCpu(float* summary, int kv_heads, int head_dim) {
   }
 }
 
-void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size,
-                       int head_dim, int len) {
+void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size, int head_dim,
+                       int len) {
   ResetSummaryCpu(summary, kv_heads, head_dim);
   const std::size_t head_page = std::size_t(page_size) * head_dim;
   for (int h = 0; h < kv_heads; ++h) {

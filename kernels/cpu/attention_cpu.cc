@@ -41,8 +41,8 @@ struct BlockScratch {
 };
 
 // Partial states of `heads` query heads over rows [0, rows) of k/v.
-void BlockPartial(const float* q, int heads, int head_dim, const float* k, const float* v,
-                  int rows, float scale, BlockScratch& s) {
+void BlockPartial(const float* q, int heads, int head_dim, const float* k, const float* v, int rows,
+                  float scale, BlockScratch& s) {
   for (int r = 0; r < rows; ++r) {
     const float* k_row = k + std::size_t(r) * head_dim;
     for (int g = 0; g < heads; ++g)

@@ -22,11 +22,16 @@ struct Page {
   int kv_heads, page_size, head_dim;
   std::vector<float> bytes, summary;
   Page(int hkv, int s, int d)
-      : kv_heads(hkv), page_size(s), head_dim(d),
-        bytes(2 * std::size_t(hkv) * s * d, kPoison), summary(2 * std::size_t(hkv) * d) {
+      : kv_heads(hkv),
+        page_size(s),
+        head_dim(d),
+        bytes(2 * std::size_t(hkv) * s * d, kPoison),
+        summary(2 * std::size_t(hkv) * d) {
     ResetSummaryCpu(summary.data(), hkv, d);
   }
-  float K(int h, int r, int j) const { return bytes[(std::size_t(h) * page_size + r) * head_dim + j]; }
+  float K(int h, int r, int j) const {
+    return bytes[(std::size_t(h) * page_size + r) * head_dim + j];
+  }
   float V(int h, int r, int j) const {
     return bytes[((std::size_t(kv_heads) + h) * page_size + r) * head_dim + j];
   }
@@ -130,8 +135,8 @@ TEST(RebuildSummary, EqualsFreshBuildForEveryLength) {
     const int hkv = 2, d = 9;
     const auto keys = test::RandomNormal(std::size_t(s) * hkv * d, seed++);
     Page full(hkv, s, d);
-    AppendTokensCpu(full.bytes.data(), full.summary.data(), hkv, s, d, 0, keys.data(),
-                    keys.data(), s);
+    AppendTokensCpu(full.bytes.data(), full.summary.data(), hkv, s, d, 0, keys.data(), keys.data(),
+                    s);
     for (int len = 0; len <= s; ++len) {
       Page fresh(hkv, s, d);
       if (len > 0)

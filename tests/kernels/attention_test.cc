@@ -42,7 +42,9 @@ State StateOf(const std::vector<double>& s, const std::vector<float>& v, int dim
   return st;
 }
 
-void Merge(State& a, const State& b) { MergeState(a.o.data(), a.m, a.d, b.o.data(), b.m, b.d, int(a.o.size())); }
+void Merge(State& a, const State& b) {
+  MergeState(a.o.data(), a.m, a.d, b.o.data(), b.m, b.d, int(a.o.size()));
+}
 
 void ExpectStateNear(const State& a, const State& b, double tol) {
   EXPECT_EQ(a.m, b.m);
@@ -127,7 +129,10 @@ struct Sequence {
   std::vector<std::vector<float>> page_k, page_v;
 
   Sequence(int t, int s, int d, uint64_t seed)
-      : tokens(t), page_size(s), head_dim(d), k(test::RandomNormal(std::size_t(t) * d, seed)),
+      : tokens(t),
+        page_size(s),
+        head_dim(d),
+        k(test::RandomNormal(std::size_t(t) * d, seed)),
         v(test::RandomNormal(std::size_t(t) * d, seed + 1)) {
     for (int p = 0; p * s < t; ++p) {
       page_k.emplace_back(std::size_t(s) * d, kPoison);
@@ -155,8 +160,8 @@ Output Attend(const std::vector<float>& q, int group, const Sequence& seq,
   // Garbage in the outputs: the kernel must initialise them.
   Output out{std::vector<float>(std::size_t(group) * seq.head_dim, 7.f),
              std::vector<float>(group, 7.f), std::vector<float>(group, 7.f)};
-  AttendPagesCpu(q.data(), group, seq.head_dim, refs.data(), int(refs.size()), scale,
-                 out.o.data(), out.m.data(), out.d.data());
+  AttendPagesCpu(q.data(), group, seq.head_dim, refs.data(), int(refs.size()), scale, out.o.data(),
+                 out.m.data(), out.d.data());
   return out;
 }
 
@@ -263,8 +268,8 @@ TEST(AttendPages, AllPagesEqualsDenseReference) {
       const Output out = Attend(q, group, seq, all, float(scale));
       for (int g = 0; g < group; ++g) {
         std::vector<float> dense(d);
-        DenseAttentionReference(q.data() + std::size_t(g) * d, seq.k.data(), seq.v.data(), t, d,
-                                d, scale, dense.data());
+        DenseAttentionReference(q.data() + std::size_t(g) * d, seq.k.data(), seq.v.data(), t, d, d,
+                                scale, dense.data());
         ASSERT_LE(test::RelL2Error(out.o.data() + std::size_t(g) * d, dense.data(), d), 1e-5)
             << "T=" << t << " S=" << s;
       }
@@ -312,8 +317,8 @@ TEST(DenseAttentionReference, MatchesBruteForceWithRowStride) {
     std::vector<float> out(d);
     DenseAttentionReference(q.data(), k.data(), v.data(), t, d, stride, scale, out.data());
     // One page of T tokens: the masked reference attends every token.
-    const auto ref = test::MaskedAttention(q.data(), k_dense.data(), v_dense.data(), t, d, t,
-                                           {0}, scale);
+    const auto ref =
+        test::MaskedAttention(q.data(), k_dense.data(), v_dense.data(), t, d, t, {0}, scale);
     const std::vector<float> ref_f(ref.begin(), ref.end());
     ASSERT_LE(test::RelL2Error(out.data(), ref_f.data(), d), 1e-6) << "T=" << t;
     if (t == 1) {

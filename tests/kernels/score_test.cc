@@ -108,8 +108,8 @@ std::vector<float> SlabOf(const std::vector<std::vector<float>>& pages, int s) {
   for (std::size_t p = 0; p < pages.size(); ++p) {
     ResetSummaryCpu(slab.data() + 4 * p, 1, 2);
     const int n = int(pages[p].size() / 2);
-    AppendTokensCpu(page.data(), slab.data() + 4 * p, 1, s, 2, 0, pages[p].data(),
-                    pages[p].data(), n);
+    AppendTokensCpu(page.data(), slab.data() + 4 * p, 1, s, 2, 0, pages[p].data(), pages[p].data(),
+                    n);
   }
   return slab;
 }

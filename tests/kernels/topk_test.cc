@@ -31,8 +31,8 @@ std::vector<int> SortedTopK(const std::vector<float>& s, const std::vector<uint8
 std::vector<int> RunTopK(const std::vector<float>& s, const std::vector<uint8_t>& skip, int k) {
   const int n = int(s.size());
   std::vector<int> out(std::max(n, 1), -1), scratch(std::max(n, 1));
-  const int got = TopKCpu(s.data(), n, skip.empty() ? nullptr : skip.data(), k, out.data(),
-                          scratch.data());
+  const int got =
+      TopKCpu(s.data(), n, skip.empty() ? nullptr : skip.data(), k, out.data(), scratch.data());
   out.resize(got);
   return out;
 }
@@ -76,8 +76,16 @@ TEST(TopK, MatchesFullSortOnDistinctScores) {
 // order them all exactly like comparisons do.
 TEST(TopK, MatchesFullSortOnNearbyAndExtremeFloats) {
   std::mt19937_64 rng(9);
-  const float specials[] = {0.f, -0.f, 1e-45f, -1e-45f, 1e-40f, std::numeric_limits<float>::max(),
-                            std::numeric_limits<float>::lowest(), INFINITY, -INFINITY, kNaN};
+  const float specials[] = {0.f,
+                            -0.f,
+                            1e-45f,
+                            -1e-45f,
+                            1e-40f,
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::lowest(),
+                            INFINITY,
+                            -INFINITY,
+                            kNaN};
   for (int rep = 0; rep < 20; ++rep) {
     const int n = 1 + int(rng() % 3000);
     std::vector<float> s(n);
@@ -87,7 +95,8 @@ TEST(TopK, MatchesFullSortOnNearbyAndExtremeFloats) {
       for (int step = int(rng() % 40); step > 0; --step) v = std::nextafter(v, 2.f);
       x = rng() % 10 == 0 ? specials[rng() % 10] : v;
     }
-    for (int k : {1, 7, n / 3, n - 1}) ASSERT_EQ(RunTopK(s, {}, k), SortedTopK(s, {}, k)) << "n=" << n;
+    for (int k : {1, 7, n / 3, n - 1})
+      ASSERT_EQ(RunTopK(s, {}, k), SortedTopK(s, {}, k)) << "n=" << n;
   }
 }
 

@@ -1,5 +1,7 @@
 // Recall diagnostics and the exact top-R branch-and-bound, against brute force
 // written here (full sorts, double-precision softmax).
+#include "selector/diagnostics.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "kernels/cpu/kernels_cpu.h"
-#include "selector/diagnostics.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {
@@ -49,7 +50,8 @@ Step MakeStep(const Geometry& g, int tokens, std::vector<float> k, std::vector<f
     kernels::ResetSummaryCpu(summary, g.kv_heads, d);
     for (int t = p * g.page_size; t < std::min(tokens, (p + 1) * g.page_size); ++t) {
       std::vector<float> row;  // [1][Hkv][D]
-      for (int h = 0; h < g.kv_heads; ++h) row.insert(row.end(), KeyRow(g, s.kv, h, t), KeyRow(g, s.kv, h, t) + d);
+      for (int h = 0; h < g.kv_heads; ++h)
+        row.insert(row.end(), KeyRow(g, s.kv, h, t), KeyRow(g, s.kv, h, t) + d);
       kernels::AppendTokensCpu(page.data(), summary, g.kv_heads, g.page_size, d,
                                t - p * g.page_size, row.data(), row.data(), 1);
     }
@@ -66,7 +68,8 @@ Step MakeStep(const Geometry& g, int tokens, std::vector<float> k, std::vector<f
 
 Step RandomStep(const Geometry& g, int tokens, uint64_t seed) {
   const std::size_t kv_elems = std::size_t(g.kv_heads) * tokens * g.head_dim;
-  return MakeStep(g, tokens, test::RandomNormal(kv_elems, seed), test::RandomNormal(kv_elems, seed + 1),
+  return MakeStep(g, tokens, test::RandomNormal(kv_elems, seed),
+                  test::RandomNormal(kv_elems, seed + 1),
                   test::RandomNormal(std::size_t(g.q_heads) * g.head_dim, seed + 2, 0.f, 2.f));
 }
 
@@ -118,9 +121,10 @@ std::vector<float> SparseOut(const Step& s, const std::vector<std::vector<int>>&
   std::vector<float> out;
   for (int hq = 0; hq < s.g.q_heads; ++hq) {
     const int h = hq / s.g.group();
-    const auto o = test::MaskedAttention(s.q.data() + hq * d, KeyRow(s.g, s.kv, h, 0),
-                                         s.kv.v.data() + std::size_t(h) * s.kv.tokens * d,
-                                         s.kv.tokens, d, s.g.page_size, rows[h], 1 / std::sqrt(double(d)));
+    const auto o =
+        test::MaskedAttention(s.q.data() + hq * d, KeyRow(s.g, s.kv, h, 0),
+                              s.kv.v.data() + std::size_t(h) * s.kv.tokens * d, s.kv.tokens, d,
+                              s.g.page_size, rows[h], 1 / std::sqrt(double(d)));
     out.insert(out.end(), o.begin(), o.end());
   }
   return out;
@@ -143,7 +147,8 @@ TEST(Diagnose, FullSelectionIsPerfect) {
       std::vector<kernels::HeadPageRef> refs;
       for (int p : rows[h]) {
         const std::size_t at = (std::size_t(h) * s.kv.tokens + std::size_t(p) * page_size) * 32;
-        refs.push_back({s.kv.k.data() + at, s.kv.v.data() + at, std::min(page_size, s.kv.tokens - p * page_size)});
+        refs.push_back({s.kv.k.data() + at, s.kv.v.data() + at,
+                        std::min(page_size, s.kv.tokens - p * page_size)});
       }
       kernels::AttendPagesCpu(s.q.data() + h * 4 * 32, 4, 32, refs.data(), int(refs.size()),
                               1 / std::sqrt(32.f), sparse.data() + h * 4 * 32, m.data(), d.data());
@@ -175,14 +180,17 @@ TEST(Diagnose, PartialSelectionMatchesBruteForce) {
             if (rng() % 3 == 0 || p == pages - 1) row.push_back(p);
         const int top_r = 6;
         const auto sparse = SparseOut(s, rows);
-        auto r = Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), sparse.data(), top_r);
+        auto r =
+            Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), sparse.data(), top_r);
         ASSERT_TRUE(r.ok()) << r.status().ToString();
 
         double recall = 0, mass = 0, err = 0, ref = 0, slack_max = -INFINITY, slack_sum = 0;
         const auto dense = SparseOut(s, AllPages(s));
         for (int hq = 0; hq < g.q_heads; ++hq) {
           const auto& row = rows[hq / group];
-          auto chosen = [&](int t) { return std::count(row.begin(), row.end(), t / page_size) > 0; };
+          auto chosen = [&](int t) {
+            return std::count(row.begin(), row.end(), t / page_size) > 0;
+          };
           const auto logits = Logits(s, hq);
           for (int t : BruteTopR(logits, top_r)) recall += chosen(t) / double(top_r);
           const double mx = *std::max_element(logits.begin(), logits.end());
@@ -223,7 +231,8 @@ TEST(Diagnose, SeedFourPageExampleRecall) {
   const std::vector<float> k = {5, 5, 0, 0, 7, -4, -4, 7, 6, -4, -4, 6, 2, -1, -1, 2};
   const Step s = MakeStep(g, 8, k, test::RandomNormal(16, 3), {1, 1});
   EXPECT_EQ(s.scores, (std::vector<float>{10, 14, 12, 4}));
-  for (auto [row, recall] : {std::pair{std::vector<int>{1, 2}, 0.0}, std::pair{std::vector<int>{0, 1, 2}, 1.0}}) {
+  for (auto [row, recall] :
+       {std::pair{std::vector<int>{1, 2}, 0.0}, std::pair{std::vector<int>{0, 1, 2}, 1.0}}) {
     const auto sparse = SparseOut(s, {row});
     auto r = Diagnose(g, s.q.data(), s.kv, SelectionOf({row}), s.scores.data(), sparse.data(), 1);
     ASSERT_TRUE(r.ok());
@@ -242,31 +251,37 @@ TEST(Diagnose, RejectsBadInput) {
   const PageSelection sel = SelectionOf(rows);
   const auto out = SparseOut(s, rows);
   auto code = [&](const Geometry& gg, const float* q, const DenseView& kv, const PageSelection& ps,
-                  const float* scores, const float* o, int r) {
-    return Diagnose(gg, q, kv, ps, scores, o, r).status().code();
-  };
+                  const float* scores, const float* o,
+                  int r) { return Diagnose(gg, q, kv, ps, scores, o, r).status().code(); };
   ASSERT_EQ(code(g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 3), Code::kOk);
   EXPECT_EQ(code(g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 0), Code::kInvalidArgument);
-  EXPECT_EQ(code(g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 11), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 11),
+            Code::kInvalidArgument);
   EXPECT_EQ(code(g, nullptr, s.kv, sel, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
   EXPECT_EQ(code(g, s.q.data(), s.kv, sel, nullptr, out.data(), 3), Code::kInvalidArgument);
   EXPECT_EQ(code(g, s.q.data(), s.kv, sel, s.scores.data(), nullptr, 3), Code::kInvalidArgument);
   Geometry bad_g = g;
   bad_g.q_heads = 3;
-  EXPECT_EQ(code(bad_g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
+  EXPECT_EQ(code(bad_g, s.q.data(), s.kv, sel, s.scores.data(), out.data(), 3),
+            Code::kInvalidArgument);
   DenseView short_k = s.kv;
   short_k.k.pop_back();
-  EXPECT_EQ(code(g, s.q.data(), short_k, sel, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), short_k, sel, s.scores.data(), out.data(), 3),
+            Code::kInvalidArgument);
   DenseView empty = s.kv;
   empty.tokens = 0;
-  EXPECT_EQ(code(g, s.q.data(), empty, sel, s.scores.data(), out.data(), 1), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), empty, sel, s.scores.data(), out.data(), 1),
+            Code::kInvalidArgument);
   PageSelection one_row = SelectionOf({rows[0]});
-  EXPECT_EQ(code(g, s.q.data(), s.kv, one_row, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), s.kv, one_row, s.scores.data(), out.data(), 3),
+            Code::kInvalidArgument);
   PageSelection past_end = SelectionOf({rows[0], {0, 3}});  // 10 tokens / S 4 = pages 0..2
-  EXPECT_EQ(code(g, s.q.data(), s.kv, past_end, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), s.kv, past_end, s.scores.data(), out.data(), 3),
+            Code::kInvalidArgument);
   PageSelection bad_indptr = sel;
   bad_indptr.indptr[1] = bad_indptr.indptr[2] + 1;
-  EXPECT_EQ(code(g, s.q.data(), s.kv, bad_indptr, s.scores.data(), out.data(), 3), Code::kInvalidArgument);
+  EXPECT_EQ(code(g, s.q.data(), s.kv, bad_indptr, s.scores.data(), out.data(), 3),
+            Code::kInvalidArgument);
 }
 
 // ---- ExactTopRSearch --------------------------------------------------------
@@ -332,13 +347,18 @@ TEST(ExactTopRSearch, RejectsBadInput) {
   const Geometry g = MakeGeometry(2, 1, 4, 8);
   const Step s = RandomStep(g, 10, 1);
   EXPECT_TRUE(ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 10).ok());
-  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 0).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 11).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(ExactTopRSearch(g, nullptr, s.kv, s.scores.data(), 1).status().code(), Code::kInvalidArgument);
-  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, nullptr, 1).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 0).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 11).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(ExactTopRSearch(g, nullptr, s.kv, s.scores.data(), 1).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), s.kv, nullptr, 1).status().code(),
+            Code::kInvalidArgument);
   DenseView short_v = s.kv;
   short_v.v.resize(3);
-  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), short_v, s.scores.data(), 1).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ExactTopRSearch(g, s.q.data(), short_v, s.scores.data(), 1).status().code(),
+            Code::kInvalidArgument);
 }
 
 }  // namespace

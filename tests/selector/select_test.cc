@@ -1,6 +1,8 @@
 // Selector: budget arithmetic, sink/local/top-K union, dense fallbacks,
 // per-layer budgets and the three GQA modes, each against a brute-force
 // reimplementation written here with a full sort.
+#include "selector/select.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 #include <vector>
 
 #include "kernels/cpu/kernels_cpu.h"
-#include "selector/select.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {
@@ -84,7 +85,8 @@ Rows BruteForce(const Geometry& g, const SelectionPolicy& p, int layer, int n,
       std::vector<float> agg = head(0);
       for (int gi = 1; gi < group; ++gi) {
         const auto s = head(gi);
-        for (int i = 0; i < n; ++i) agg[i] = p.gqa == GqaMode::kMax ? std::max(agg[i], s[i]) : agg[i] + s[i];
+        for (int i = 0; i < n; ++i)
+          agg[i] = p.gqa == GqaMode::kMax ? std::max(agg[i], s[i]) : agg[i] + s[i];
       }
       if (p.gqa == GqaMode::kMean)
         for (float& x : agg) x /= float(group);
@@ -216,15 +218,17 @@ TEST(Select, SinkLocalTopKUnionMatchesBruteForce) {
             const int budget_pages = sink + local + extra;
             const SelectionPolicy p = MakePolicy(budget_pages * 16 + 15, sink, local, mode);
             const Selected r = Select(g, p, 2, n, seed++);
-            const Rows expected = r.scores.empty() ? BruteForce(g, p, 2, n, {})
-                                                   : BruteForce(g, p, 2, n, r.scores);
+            const Rows expected =
+                r.scores.empty() ? BruteForce(g, p, 2, n, {}) : BruteForce(g, p, 2, n, r.scores);
             ASSERT_EQ(r.rows, expected) << GqaModeName(mode) << " sink=" << sink
                                         << " local=" << local << " n=" << n << " extra=" << extra;
             for (const auto& row : r.rows) {
               ASSERT_TRUE(std::is_sorted(row.begin(), row.end()));
               ASSERT_EQ(std::set<int>(row.begin(), row.end()).size(), row.size());
-              for (int i = 0; i < std::min(sink, n); ++i) ASSERT_TRUE(std::count(row.begin(), row.end(), i));
-              for (int i = std::max(0, n - local); i < n; ++i) ASSERT_TRUE(std::count(row.begin(), row.end(), i));
+              for (int i = 0; i < std::min(sink, n); ++i)
+                ASSERT_TRUE(std::count(row.begin(), row.end(), i));
+              for (int i = std::max(0, n - local); i < n; ++i)
+                ASSERT_TRUE(std::count(row.begin(), row.end(), i));
               if (mode != GqaMode::kUnion) {
                 ASSERT_EQ(int(row.size()), std::min(n, budget_pages));
               }
@@ -283,6 +287,60 @@ TEST(Select, TiesGoToLowerPageIndex) {
     ASSERT_TRUE(sel.Select({q.data(), slab.data(), ids.data(), 20, 1}, &out).ok());
     EXPECT_EQ(RowsOf(out, 1)[0], (std::vector<int>{0, 1, 2, 3, 4, 18, 19})) << GqaModeName(mode);
   }
+}
+
+// Seed §1.2's debugging fallback: with a budget covering every page, the
+// pipeline append -> select -> attend must equal dense attention (fp32, 1e-5).
+TEST(Select, FullBudgetPipelineEqualsDenseAttention) {
+  for (int page_size : {1, 7, 16, 17})
+    for (int group : {1, 4}) {
+      const Geometry g = MakeGeometry(2 * group, 2, page_size, 64);
+      const int tokens = 11 * page_size + page_size / 2 + 1, d = 64;
+      const int n = (tokens + page_size - 1) / page_size;
+      const auto k =
+          test::RandomNormal(std::size_t(tokens) * 2 * d, 70 + page_size);  // [T][Hkv][D]
+      const auto v = test::RandomNormal(k.size(), 71 + page_size);
+      std::vector<float> pages(std::size_t(n) * g.page_elems(), 1e30f),
+          slab(std::size_t(n) * g.summary_elems());
+      std::vector<uint32_t> ids(n);
+      for (int p = 0; p < n; ++p) {
+        ids[p] = uint32_t(n - 1 - p);  // PageIds in reverse of logical order
+        float* summary = slab.data() + ids[p] * g.summary_elems();
+        kernels::ResetSummaryCpu(summary, 2, d);
+        const int len = std::min(page_size, tokens - p * page_size);
+        const std::size_t at = std::size_t(p) * page_size * 2 * d;
+        kernels::AppendTokensCpu(pages.data() + ids[p] * g.page_elems(), summary, 2, page_size, d,
+                                 0, k.data() + at, v.data() + at, len);
+      }
+      const auto q = test::RandomNormal(std::size_t(g.q_heads) * d, 72 + page_size);
+      SelectionPolicy p = MakePolicy(int64_t(n) * page_size, 1, 1, GqaMode::kMax);
+      Selector sel(g, p);
+      PageSelection out;
+      ASSERT_TRUE(sel.Select({q.data(), slab.data(), ids.data(), n, 1}, &out).ok());
+      for (int h = 0; h < 2; ++h) {
+        ASSERT_EQ(out.count(h), n);
+        std::vector<kernels::HeadPageRef> refs;
+        for (int i = 0; i < out.count(h); ++i) {
+          const int lp = out.row(h)[i];
+          const float* base = pages.data() + ids[lp] * g.page_elems();
+          refs.push_back({base + h * g.head_page_elems(), base + (2 + h) * g.head_page_elems(),
+                          std::min(page_size, tokens - lp * page_size)});
+        }
+        std::vector<float> o(std::size_t(group) * d), m(group), den(group);
+        const double scale = 1 / std::sqrt(double(d));
+        kernels::AttendPagesCpu(q.data() + std::size_t(h) * group * d, group, d, refs.data(), n,
+                                float(scale), o.data(), m.data(), den.data());
+        for (int gi = 0; gi < group; ++gi) {
+          std::vector<float> dense(d);
+          // Token-major input: head h's rows sit at stride Hkv·D.
+          kernels::DenseAttentionReference(q.data() + std::size_t(h * group + gi) * d,
+                                           k.data() + h * d, v.data() + h * d, tokens, d, 2 * d,
+                                           scale, dense.data());
+          ASSERT_LE(test::RelL2Error(o.data() + gi * d, dense.data(), d), 1e-5)
+              << "S=" << page_size << " G=" << group << " h=" << h;
+        }
+      }
+    }
 }
 
 // Seed §1.1's four pages A–D (true max 10, 3, 2, 1; bounds 10, 14, 12, 4) plus
