@@ -210,7 +210,10 @@ int SearchHead(const HeadView& hv, const float* scores, int top_r, std::vector<i
   int read = 0;
   for (int p : ReadOrder(scores, pages)) {
     // Strict: a page whose bound equals τ_R may hold a tie with a lower index.
-    if (int(kept.size()) == top_r && double(scores[p]) < kept.top().logit) break;
+    // The fp32 bound is widened by a rounding margin so that a tight bound
+    // rounded a few ulps low cannot end the search early.
+    const double bound = double(scores[p]) + 1e-4 * (1.0 + std::fabs(double(scores[p])));
+    if (int(kept.size()) == top_r && bound < kept.top().logit) break;
     ++read;
     const int end = std::min(hv.tokens, (p + 1) * hv.page_size);
     for (int t = p * hv.page_size; t < end; ++t) {

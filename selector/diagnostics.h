@@ -49,8 +49,9 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
 // descending order of U_p (ties toward the lower page; a NaN bound is read
 // first, as +inf) until R tokens are seen and the next unread bound is
 // strictly below the R-th best true logit seen, τ_R. The result certifies the
-// exact dense top-R tokens under Diagnose's ranking, provided the bounds hold
-// (eq. 4; fp32 rounding of U_p can undercut a tight bound by a few ulps).
+// exact dense top-R tokens under Diagnose's ranking: the bounds hold by eq. 4,
+// and each fp32 U_p is widened by 1e-4·(1+|U_p|) before the comparison so its
+// rounding cannot end the search early (it may read a page more).
 // Same inputs and errors as Diagnose, less the selection and output.
 struct ExactTopR {
   std::vector<std::vector<int32_t>> tokens;  // [Hq] token indices, ascending
