@@ -1,0 +1,83 @@
+// DiskTier: homes of cold pages in page files under one directory.
+//
+// Whole pages (all KV heads, K and V: Geometry::page_bytes(), rounded up to
+// 4096) per I/O, so each I/O is large. Slots in the files are handed out by a
+// free list bounded by the byte budget; running out is ResourceExhausted.
+// Every page written carries a checksum keyed by (PageId, generation), kept
+// here (outside the page): computed when the write is submitted and checked
+// against the buffer right before submission, and checked right after every
+// read completes. A mismatch is a Corruption completion, counted, and the
+// caller must not use the buffer. A failed write frees its slot; a failed or
+// corrupt read leaves the page's disk copy in place (the caller decides).
+//
+// Thread safety: single owner thread (see IoBackend).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/status.h"
+#include "tiers/io_backend.h"
+
+namespace questkv {
+
+struct DiskTierOptions {
+  std::string dir;                // created if absent; page files live here
+  uint64_t bytes = 0;             // byte budget of all page files
+  std::size_t page_bytes = 0;     // one page, before rounding up to 4096
+  int files = 4;                  // page files the slots are striped over
+};
+
+struct DiskCompletion {
+  uint64_t ticket = 0;
+  uint32_t page_id = 0;
+  bool is_write = false;
+  Status status;                  // OK, IOError (EIO, ENOSPC, short), Corruption
+};
+
+struct DiskStats {
+  int64_t bytes_written = 0, bytes_read = 0;
+  int64_t writes = 0, reads = 0;
+  int64_t io_errors = 0, corruptions = 0;
+  uint32_t slots_used = 0, slots_peak = 0, slots_capacity = 0;
+};
+
+class DiskTier {
+ public:
+  static Result<std::unique_ptr<DiskTier>> Open(const DiskTierOptions& options, std::unique_ptr<IoBackend> io);
+  ~DiskTier();  // waits for in-flight I/O; removes nothing it did not create
+
+  // Buffers passed to SubmitWrite/SubmitRead must lie in this region.
+  Status RegisterRegion(void* base, std::size_t bytes);
+
+  // Queues a write of a page's bytes to a fresh slot. ResourceExhausted when
+  // no slot or queue entry is free; FailedPrecondition when the page already
+  // has a disk copy or I/O on it is in flight. `src` must stay untouched until
+  // the completion.
+  Result<uint64_t> SubmitWrite(uint32_t page_id, uint32_t generation, const void* src);
+  // Queues a read of a page's disk copy into `dst`. NotFound when the page has
+  // no disk copy (of this generation).
+  Result<uint64_t> SubmitRead(uint32_t page_id, uint32_t generation, void* dst);
+  // Completions, waiting for at least min_complete.
+  Status Reap(std::vector<DiskCompletion>* out, int min_complete);
+
+  // True when a completed, good write of this (page, generation) is on disk.
+  bool Holds(uint32_t page_id, uint32_t generation) const;
+  // Drops a page's disk copy and frees its slot (no I/O).
+  void Drop(uint32_t page_id);
+
+  int in_flight() const;
+  int queue_depth() const;
+  const DiskStats& stats() const;
+  std::size_t slot_bytes() const;
+
+ private:
+  struct Impl;
+  explicit DiskTier(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace questkv
