@@ -1,5 +1,6 @@
 // Append + summary (eq. 8/14): the summary is folded on the append path, so a
 // query never rescans page keys to score a page.
+#include <cassert>
 #include <cstddef>
 #include <limits>
 
@@ -25,21 +26,31 @@ void CopyRow(float* dst, const float* src, int head_dim) {
 
 }  // namespace
 
-void AppendTokensCpu(float* page, float* summary, int kv_heads, int page_size, int head_dim,
-                     int offset, const float* k, const float* v, int n) {
-  const std::size_t head_page = std::size_t(page_size) * head_dim;
-  float* k_base = page;
-  float* v_base = page + std::size_t(kv_heads) * head_page;
+void AppendTokensHeadsCpu(float* const* k_heads, float* const* v_heads, float* summary, int kv_heads,
+                          int head_dim, int offset, const float* k, const float* v, int n) {
   for (int t = 0; t < n; ++t) {
     const std::size_t slot = std::size_t(offset + t) * head_dim;
     for (int h = 0; h < kv_heads; ++h) {
       const std::size_t src = (std::size_t(t) * kv_heads + h) * head_dim;
-      float* k_row = k_base + h * head_page + slot;
+      float* k_row = k_heads[h] + slot;
       CopyRow(k_row, k + src, head_dim);
-      CopyRow(v_base + h * head_page + slot, v + src, head_dim);
+      CopyRow(v_heads[h] + slot, v + src, head_dim);
       FoldKey(summary + std::size_t(h) * 2 * head_dim, k_row, head_dim);
     }
   }
+}
+
+void AppendTokensCpu(float* page, float* summary, int kv_heads, int page_size, int head_dim,
+                     int offset, const float* k, const float* v, int n) {
+  assert(kv_heads <= kMaxKvHeads);
+  float* k_heads[kMaxKvHeads];
+  float* v_heads[kMaxKvHeads];
+  const std::size_t head_page = std::size_t(page_size) * head_dim;
+  for (int h = 0; h < kv_heads; ++h) {
+    k_heads[h] = page + h * head_page;
+    v_heads[h] = page + (std::size_t(kv_heads) + h) * head_page;
+  }
+  AppendTokensHeadsCpu(k_heads, v_heads, summary, kv_heads, head_dim, offset, k, v, n);
 }
 
 void ResetSummaryCpu(float* summary, int kv_heads, int head_dim) {
@@ -51,16 +62,20 @@ void ResetSummaryCpu(float* summary, int kv_heads, int head_dim) {
   }
 }
 
+void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_heads, int head_dim,
+                            int len) {
+  ResetSummaryCpu(summary, kv_heads, head_dim);
+  for (int h = 0; h < kv_heads; ++h)
+    for (int r = 0; r < len; ++r)
+      FoldKey(summary + std::size_t(h) * 2 * head_dim, k_heads[h] + std::size_t(r) * head_dim, head_dim);
+}
+
 void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size, int head_dim,
                        int len) {
-  ResetSummaryCpu(summary, kv_heads, head_dim);
-  const std::size_t head_page = std::size_t(page_size) * head_dim;
-  for (int h = 0; h < kv_heads; ++h) {
-    const float* k_head = page + h * head_page;
-    for (int r = 0; r < len; ++r)
-      FoldKey(summary + std::size_t(h) * 2 * head_dim, k_head + std::size_t(r) * head_dim,
-              head_dim);
-  }
+  assert(kv_heads <= kMaxKvHeads);
+  const float* k_heads[kMaxKvHeads];
+  for (int h = 0; h < kv_heads; ++h) k_heads[h] = page + std::size_t(h) * page_size * head_dim;
+  RebuildSummaryHeadsCpu(k_heads, summary, kv_heads, head_dim, len);
 }
 
 }  // namespace questkv::kernels

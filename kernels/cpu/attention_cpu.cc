@@ -85,8 +85,13 @@ void InitEmpty(int group, int head_dim, float* o, float* m, float* d) {
 
 void AttendPagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
                     float scale, float* o, float* m, float* d) {
-  assert(head_dim <= kMaxHeadDim);
   InitEmpty(group, head_dim, o, m, d);
+  AttendMorePagesCpu(q, group, head_dim, pages, n, scale, o, m, d);
+}
+
+void AttendMorePagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
+                        float scale, float* o, float* m, float* d) {
+  assert(head_dim <= kMaxHeadDim);
   BlockScratch s;
   for (int g0 = 0; g0 < group; g0 += kHeadChunk) {
     const int heads = group - g0 < kHeadChunk ? group - g0 : kHeadChunk;

@@ -24,6 +24,15 @@ namespace questkv::kernels {
 void AppendTokensCpu(float* page, float* summary, int kv_heads, int page_size, int head_dim,
                      int offset, const float* k, const float* v, int n);
 
+// The same for a page whose head-pages are not contiguous (the HBM cache
+// holds head-pages in separate slots): k_heads[h], v_heads[h] are head h's
+// [S][D] K and V rows.
+void AppendTokensHeadsCpu(float* const* k_heads, float* const* v_heads, float* summary, int kv_heads,
+                          int head_dim, int offset, const float* k, const float* v, int n);
+
+// Bound of the page-layout wrappers' stack arrays (Geometry::Validate's bound).
+inline constexpr int kMaxKvHeads = 1024;
+
 // Re-initialises a summary to the empty box (min=+inf, max=-inf) for every head.
 void ResetSummaryCpu(float* summary, int kv_heads, int head_dim);
 
@@ -31,6 +40,10 @@ void ResetSummaryCpu(float* summary, int kv_heads, int head_dim);
 // into a tail, fork). len == 0 gives the empty box.
 void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page_size,
                        int head_dim, int len);
+
+// Per-head form of RebuildSummaryCpu: k_heads[h] is head h's [S][D] K rows.
+void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_heads, int head_dim,
+                            int len);
 
 // ---- score -------------------------------------------------------------------
 
@@ -70,6 +83,12 @@ struct HeadPageRef {
 // model). head_dim <= 512 (asserted).
 void AttendPagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
                     float scale, float* o, float* m, float* d);
+
+// Continues the states (o, m, d) over n more pages. Each head merges pages in
+// order, so attending pages [0, a) then [a, n) this way gives bit for bit what
+// one AttendPagesCpu over [0, n) gives: callers may attend a row in pieces.
+void AttendMorePagesCpu(const float* q, int group, int head_dim, const HeadPageRef* pages, int n,
+                        float scale, float* o, float* m, float* d);
 
 // ---- reference ---------------------------------------------------------------
 
