@@ -6,11 +6,17 @@
 
 namespace questkv {
 
-namespace {
-std::unique_ptr<float[]> Reserve(std::size_t elems) {
+constexpr std::size_t kAlign = 4096;
+
+void AlignedFree::operator()(float* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
+
+AlignedFloats AllocateAligned(std::size_t elems) {
   // Uninitialised on purpose: the OS commits pages on first touch.
-  return std::unique_ptr<float[]>(new (std::nothrow) float[elems]);
+  return AlignedFloats(static_cast<float*>(::operator new[](elems * sizeof(float), std::align_val_t(kAlign), std::nothrow)));
 }
+
+namespace {
+AlignedFloats Reserve(std::size_t elems) { return AllocateAligned(elems); }
 }  // namespace
 
 Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uint32_t capacity,
@@ -24,7 +30,7 @@ Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uin
   return std::unique_ptr<SlotArena>(new SlotArena(std::move(base), slot_elems, capacity, name));
 }
 
-SlotArena::SlotArena(std::unique_ptr<float[]> base, std::size_t slot_elems, uint32_t capacity,
+SlotArena::SlotArena(AlignedFloats base, std::size_t slot_elems, uint32_t capacity,
                      const char* name)
     : base_(std::move(base)), slot_elems_(slot_elems), capacity_(capacity), in_use_(capacity, 0), name_(name) {
   free_.reserve(capacity);

@@ -13,6 +13,13 @@
 
 namespace questkv {
 
+// 4096-byte aligned float storage (O_DIRECT I/O needs the alignment).
+struct AlignedFree {
+  void operator()(float* p) const;
+};
+using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
+AlignedFloats AllocateAligned(std::size_t elems);  // null on failure
+
 // `capacity` slots of `slot_elems` floats each, handed out by a free list.
 class SlotArena {
  public:
@@ -25,14 +32,16 @@ class SlotArena {
 
   float* data(uint32_t slot) { return base_.get() + std::size_t(slot) * slot_elems_; }
   const float* data(uint32_t slot) const { return base_.get() + std::size_t(slot) * slot_elems_; }
+  float* base() { return base_.get(); }
+  std::size_t bytes() const { return slot_bytes() * capacity_; }
   uint32_t capacity() const { return capacity_; }
   uint32_t used() const { return capacity_ - uint32_t(free_.size()); }
   uint32_t used_peak() const { return used_peak_; }
   std::size_t slot_bytes() const { return slot_elems_ * sizeof(float); }
 
  private:
-  SlotArena(std::unique_ptr<float[]> base, std::size_t slot_elems, uint32_t capacity, const char* name);
-  std::unique_ptr<float[]> base_;
+  SlotArena(AlignedFloats base, std::size_t slot_elems, uint32_t capacity, const char* name);
+  AlignedFloats base_;
   std::size_t slot_elems_;
   uint32_t capacity_;
   uint32_t used_peak_ = 0;
@@ -52,8 +61,8 @@ class SummarySlab {
   std::size_t page_bytes() const { return elems_ * sizeof(float); }
 
  private:
-  SummarySlab(std::unique_ptr<float[]> base, std::size_t elems) : base_(std::move(base)), elems_(elems) {}
-  std::unique_ptr<float[]> base_;
+  SummarySlab(AlignedFloats base, std::size_t elems) : base_(std::move(base)), elems_(elems) {}
+  AlignedFloats base_;
   std::size_t elems_;
 };
 
