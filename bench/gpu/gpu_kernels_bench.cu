@@ -1,0 +1,347 @@
+// GPU kernel benchmarks (plain main, CUDA events, cold L2): the workloads,
+//   copy     device-to-device copy bandwidth, the ceiling of this run
+//   attend   sparse decode attention over `budget` tokens of random slots
+//   select   summary scan + top-K at long contexts
+//   step     one layer's Quest step (select + attend) vs the same attention
+//            kernel over every page (dense), with the ideal 1/rho
+// Each timed call follows a 512 MiB L2-flushing memset (untimed); figures are
+// medians of --reps calls after warm-up. Writes JSON lines to --json and
+// prints a table last. Inputs are fresh hash-random numbers (never zeros).
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cstdarg>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/kernels_cuda.h"
+
+using namespace questkv::kernels::cuda;
+
+#define CHECK(x)                                                                                     \
+  do {                                                                                               \
+    cudaError_t e_ = (x);                                                                            \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_),      \
+                   LastErrorMessage().c_str());                                                      \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+namespace {
+
+__device__ inline uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+// Uniform(-1, 1) halves.
+__global__ void FillHalf(__half* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2half(float(Hash(i * 0x9E3779B97F4A7C15ULL + seed)) * (2.f / 4294967296.f) - 1.f);
+}
+
+// Summaries [pages][Hkv][2][D]: min = c - w, max = c + w.
+__global__ void FillSummary(__half* s, size_t heads, int d, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < heads * d; i += size_t(gridDim.x) * blockDim.x) {
+    const float c = float(Hash(i + seed)) * (2.f / 4294967296.f) - 1.f;
+    const float w = float(Hash(i + seed * 3 + 1)) * (1.f / 4294967296.f);
+    const size_t head = i / d, j = i % d;
+    s[head * 2 * d + j] = __float2half(c - w);
+    s[head * 2 * d + d + j] = __float2half(c + w);
+  }
+}
+
+__global__ void Iota(int32_t* x, size_t n, int32_t stride, int32_t mod) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = int32_t((i * size_t(stride)) % size_t(mod));
+}
+
+struct Dev {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit Dev(size_t b) : bytes(b) { CHECK(cudaMalloc(&p, std::max<size_t>(b, 16))); }
+  ~Dev() { cudaFree(p); }
+  template <typename T> T* as() const { return static_cast<T*>(p); }
+};
+
+struct Timer {
+  cudaEvent_t a, b;
+  Dev flush{512ull << 20};
+  Timer() { cudaEventCreate(&a), cudaEventCreate(&b); }
+  // Median microseconds of fn() over reps cold-L2 calls, after 3 warm-ups.
+  template <typename F> double MedianUs(int reps, F fn) {
+    for (int i = 0; i < 3; ++i) fn();
+    std::vector<float> t;
+    for (int i = 0; i < reps; ++i) {
+      CHECK(cudaMemsetAsync(flush.p, i & 0xFF, flush.bytes));
+      CHECK(cudaEventRecord(a));
+      fn();
+      CHECK(cudaEventRecord(b));
+      CHECK(cudaEventSynchronize(b));
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, a, b));
+      t.push_back(ms * 1000.f);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+};
+
+struct Geo {
+  const char* name;
+  int kv_heads, group;
+};
+const Geo kGeos[] = {{"llama2-7b", 32, 1}, {"llama3-8b", 8, 4}};
+constexpr int D = 128, S = 16;
+int g_sms = 0;
+FILE* g_json = nullptr;
+std::vector<std::string> g_table;
+
+void Json(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+void Json(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vfprintf(g_json, fmt, ap);
+  va_end(ap);
+  fputc('\n', g_json);
+  fflush(g_json);
+}
+
+double CopyBandwidth(Timer& tm) {
+  const size_t bytes = 2ull << 30;
+  Dev a(bytes), b(bytes);
+  FillHalf<<<4096, 256>>>(a.as<__half>(), bytes / 2, 1);
+  const double us = tm.MedianUs(10, [&] { CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); });
+  const double tbs = 2.0 * bytes / us / 1e6;
+  Json("{\"bench\":\"copy\",\"bytes\":%zu,\"us\":%.2f,\"tb_s_rw\":%.3f}", bytes, us, tbs);
+  std::printf("copy: %.3f TB/s (read+write, 2 GiB, median of 10)\n", tbs);
+  return tbs;
+}
+
+// Attention over `budget` tokens of random slots in a 4 GiB pool.
+void BenchAttend(Timer& tm, int reps) {
+  const size_t slot_bytes = size_t(2) * S * D * 2;
+  const size_t slots = (4ull << 30) / slot_bytes;
+  Dev pool(slots * slot_bytes);
+  FillHalf<<<4096, 256>>>(pool.as<__half>(), pool.bytes / 2, 2);
+  for (const Geo& g : kGeos)
+    for (int batch : {1, 16})
+      for (int budget : {512, 1024, 2048, 4096}) {
+        const int rows = batch * g.kv_heads, per_row = budget / S;
+        Dev q(size_t(rows) * g.group * D * 2), o(size_t(rows) * g.group * D * 2);
+        FillHalf<<<64, 256>>>(q.as<__half>(), q.bytes / 2, 3);
+        std::vector<int32_t> indptr(rows + 1);
+        for (int r = 0; r <= rows; ++r) indptr[r] = r * per_row;
+        Dev d_indptr(indptr.size() * 4), d_slots(size_t(rows) * per_row * 4);
+        CHECK(cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice));
+        Iota<<<256, 256>>>(d_slots.as<int32_t>(), size_t(rows) * per_row, 7919, int32_t(slots));
+        AttendShape s{rows, g.kv_heads, g.group, D, S, DType::kF16};
+        AttendPlan plan;
+        std::string err;
+        if (!PlanAttend(s, per_row, g_sms, &plan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+        Dev ws(plan.workspace_bytes);
+        AttendParams p;
+        p.scale = 1.f / std::sqrt(float(D));
+        p.q = q.p;
+        p.slots = pool.p;
+        p.indptr = d_indptr.as<int32_t>();
+        p.slot_ids = d_slots.as<int32_t>();
+        p.o = o.p;
+        p.workspace = ws.p;
+        const double us = tm.MedianUs(reps, [&] { CHECK(RunAttend(plan, p, nullptr)); });
+        const double bytes = double(rows) * per_row * slot_bytes;
+        const double tbs = bytes / us / 1e6;
+        Json("{\"bench\":\"attend\",\"geometry\":\"%s\",\"batch\":%d,\"budget\":%d,\"splits\":%d,\"us\":%.2f,"
+             "\"kv_bytes\":%.0f,\"tb_s\":%.3f}",
+             g.name, batch, budget, plan.splits, us, bytes, tbs);
+        char line[256];
+        std::snprintf(line, sizeof line, "attend  %-9s b=%-2d budget=%-4d           %8.1f us  %5.2f TB/s  (%5.1f MiB, %d splits)",
+                      g.name, batch, budget, us, tbs, bytes / (1 << 20), plan.splits);
+        g_table.push_back(line);
+      }
+}
+
+// One layer's step at `context` tokens: select + attend, and dense.
+struct StepResult {
+  double select_us, attend_us, step_us, dense_us, summary_bytes;
+};
+
+StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int budget, int reps, bool dense) {
+  const int n = int(context / S);
+  const int H = g.kv_heads, G = g.group, rows = batch * H;
+  const size_t head_pages = size_t(batch) * n * H;
+  const size_t slot_bytes = size_t(2) * S * D * 2;
+  Dev pool(dense ? head_pages * slot_bytes : 16), summ(head_pages * 2 * D * 2);
+  if (dense) FillHalf<<<8192, 256>>>(pool.as<__half>(), pool.bytes / 2, 11);
+  FillSummary<<<8192, 256>>>(summ.as<__half>(), head_pages, D, 12);
+  Dev q(size_t(rows) * G * D * 2), o(size_t(rows) * G * D * 2);
+  FillHalf<<<64, 256>>>(q.as<__half>(), q.bytes / 2, 13);
+  std::vector<int32_t> counts(batch, n), page_indptr(batch + 1);
+  for (int b = 0; b <= batch; ++b) page_indptr[b] = b * n;
+  Dev d_pind(page_indptr.size() * 4), d_ids(size_t(batch) * n * 4), d_hbm(head_pages * 4);
+  CHECK(cudaMemcpy(d_pind.p, page_indptr.data(), page_indptr.size() * 4, cudaMemcpyHostToDevice));
+  Iota<<<1024, 256>>>(d_ids.as<int32_t>(), size_t(batch) * n, 1, batch * n);
+  // Sparse steps read only selected slots: any slot table works; dense needs real slots.
+  const int32_t slot_mod = dense ? int32_t(head_pages) : 1;
+  Iota<<<1024, 256>>>(d_hbm.as<int32_t>(), head_pages, 1, std::max<int32_t>(slot_mod, 1));
+  StepResult r{};
+  r.summary_bytes = double(head_pages) * 2 * D * 2;
+  std::string err;
+
+  SelectShape ss;
+  ss.batch = batch;
+  ss.kv_heads = H;
+  ss.group = G;
+  ss.head_dim = D;
+  ss.page_size = S;
+  ss.page_budget = budget / S;
+  ss.sink_pages = 1;
+  ss.local_pages = 8;
+  SelectPlan splan;
+  if (!PlanSelect(ss, counts.data(), g_sms, &splan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+  const int cap = splan.out_indptr[1];
+  Dev d_oind(splan.out_indptr.size() * 4), d_pages(size_t(splan.out_indptr.back()) * 4),
+      d_slots(size_t(splan.out_indptr.back()) * 4), d_count(rows * 4), sws(splan.workspace_bytes);
+  CHECK(cudaMemcpy(d_oind.p, splan.out_indptr.data(), splan.out_indptr.size() * 4, cudaMemcpyHostToDevice));
+  SelectParams sp;
+  sp.shape = ss;
+  sp.q_dtype = DType::kF16;
+  sp.summary_dtype = DType::kF16;
+  sp.q = q.p;
+  sp.summaries = summ.p;
+  sp.page_indptr = d_pind.as<int32_t>();
+  sp.page_ids = d_ids.as<uint32_t>();
+  sp.hbm_slot = d_hbm.as<int32_t>();
+  sp.out_indptr = d_oind.as<int32_t>();
+  sp.out_pages = d_pages.as<int32_t>();
+  sp.out_slots = d_slots.as<int32_t>();
+  sp.out_count = d_count.as<int32_t>();
+  sp.workspace = sws.p;
+  // Sparse attention reads the selected slots of a 4 GiB pool when the step has no real one.
+  const size_t sparse_slots = (4ull << 30) / slot_bytes;
+  Dev spool(dense ? 16 : sparse_slots * slot_bytes);
+  if (!dense) {
+    FillHalf<<<4096, 256>>>(spool.as<__half>(), spool.bytes / 2, 14);
+    Iota<<<1024, 256>>>(d_hbm.as<int32_t>(), head_pages, 7919, int32_t(sparse_slots));
+  }
+  AttendShape as{rows, H, G, D, S, DType::kF16};
+  AttendPlan aplan;
+  if (!PlanAttend(as, cap, g_sms, &aplan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+  Dev aws(aplan.workspace_bytes);
+  AttendParams ap;
+  ap.scale = 1.f / std::sqrt(float(D));
+  ap.q = q.p;
+  ap.slots = dense ? pool.p : spool.p;
+  ap.indptr = d_oind.as<int32_t>();
+  ap.count = d_count.as<int32_t>();
+  ap.slot_ids = d_slots.as<int32_t>();
+  ap.o = o.p;
+  ap.workspace = aws.p;
+  r.select_us = tm.MedianUs(reps, [&] { CHECK(LaunchSelect(splan, sp, nullptr)); });
+  r.attend_us = tm.MedianUs(reps, [&] { CHECK(RunAttend(aplan, ap, nullptr)); });
+  r.step_us = tm.MedianUs(reps, [&] {
+    CHECK(LaunchSelect(splan, sp, nullptr));
+    CHECK(RunAttend(aplan, ap, nullptr));
+  });
+  if (dense) {
+    std::vector<int32_t> dind(rows + 1);
+    for (int i = 0; i <= rows; ++i) dind[i] = i * n;
+    Dev d_dind(dind.size() * 4), d_dslots(head_pages * 4);
+    CHECK(cudaMemcpy(d_dind.p, dind.data(), dind.size() * 4, cudaMemcpyHostToDevice));
+    // Row r = (b, h) holds page i's slot (b*n + i)*H + h.
+    std::vector<int32_t> ds(head_pages);
+    for (int b = 0; b < batch; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < n; ++i) ds[(size_t(b) * H + h) * n + i] = int32_t((size_t(b) * n + i) * H + h);
+    CHECK(cudaMemcpy(d_dslots.p, ds.data(), ds.size() * 4, cudaMemcpyHostToDevice));
+    AttendPlan dplan;
+    if (!PlanAttend(as, n, g_sms, &dplan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+    Dev dws(dplan.workspace_bytes);
+    AttendParams dp = ap;
+    dp.indptr = d_dind.as<int32_t>();
+    dp.count = nullptr;
+    dp.slot_ids = d_dslots.as<int32_t>();
+    dp.workspace = dws.p;
+    r.dense_us = tm.MedianUs(reps, [&] { CHECK(RunAttend(dplan, dp, nullptr)); });
+  }
+  CHECK(cudaDeviceSynchronize());
+  return r;
+}
+
+void BenchSteps(Timer& tm, int reps) {
+  const int budget = 2048;
+  for (const Geo& g : kGeos)
+    for (int batch : {1, 16})
+      for (long long ctx : {8192LL, 32768LL, 131072LL, 524288LL, 1048576LL}) {
+        const double kv_bytes = double(batch) * ctx * g.kv_heads * D * 2 * 2;
+        if (kv_bytes > 40e9) continue;  // dense pool must fit comfortably
+        const StepResult r = BenchStep(tm, g, batch, ctx, budget, reps, true);
+        const double rho = 1.0 / S + double(budget) / ctx;
+        const double speedup = r.dense_us / r.step_us;
+        const double dense_tbs = kv_bytes / r.dense_us / 1e6;
+        const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
+        Json("{\"bench\":\"step\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
+             "\"attend_us\":%.2f,\"step_us\":%.2f,\"dense_us\":%.2f,\"dense_tb_s\":%.3f,\"select_summary_tb_s\":%.3f,"
+             "\"speedup\":%.3f,\"ideal\":%.3f}",
+             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, r.dense_us, dense_tbs, sel_tbs, speedup,
+             1.0 / rho);
+        char line[320];
+        std::snprintf(line, sizeof line,
+                      "step    %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  dense %8.1f us (%4.2f TB/s)  speedup %5.2fx ideal %5.2fx",
+                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us, r.dense_us, dense_tbs, speedup,
+                      1.0 / rho);
+        g_table.push_back(line);
+      }
+  // Select alone where the dense pool would not fit.
+  for (const Geo& g : kGeos)
+    for (int batch : {1, 16})
+      for (long long ctx : {131072LL, 524288LL, 1048576LL}) {
+        const double kv_bytes = double(batch) * ctx * g.kv_heads * D * 2 * 2;
+        if (kv_bytes <= 40e9) continue;
+        const StepResult r = BenchStep(tm, g, batch, ctx, budget, reps, false);
+        const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
+        Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
+             "\"attend_us\":%.2f,\"step_us\":%.2f,\"select_summary_tb_s\":%.3f}",
+             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, sel_tbs);
+        char line[256];
+        std::snprintf(line, sizeof line, "select  %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  (no dense: KV > 40 GB)",
+                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us);
+        g_table.push_back(line);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json = "gpu_kernels_bench.json";
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+  }
+  g_json = std::fopen(json, "w");
+  if (!g_json) return std::perror(json), 1;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  g_sms = prop.multiProcessorCount;
+  std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, g_sms, prop.l2CacheSize >> 20);
+  Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d}", prop.name, g_sms);
+  Timer tm;
+  const double copy = CopyBandwidth(tm);
+  BenchAttend(tm, reps);
+  BenchSteps(tm, reps);
+  std::printf("\n== questkv GPU kernels (fp16 K/V, D=128, S=16, budget 2048 in steps; medians, cold L2) ==\n");
+  std::printf("copy %.3f TB/s read+write; judge read-mostly kernels against ~4.6 TB/s\n", copy);
+  for (const auto& l : g_table) std::printf("%s\n", l.c_str());
+  std::fclose(g_json);
+  return 0;
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, compute-sanitizer on a small subset, then the
+# benchmarks; a short table last, everything under $OUT.
+#   usage (device machine, repo root): bash bench/gpu/run.sh [bin_dir]
+# bin_dir holds questkv_kernels_cuda_test and questkv_gpu_kernels_bench built
+# for sm_90 (default .device/bin).
+set -u -o pipefail
+BIN=${1:-.device/bin}
+OUT=${OUT:-/tmp/questkv-gpu-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+status=0
+echo "== tests"
+"$BIN/questkv_kernels_cuda_test" --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1 || status=1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error" "$OUT/tests.log" | head -40
+if command -v compute-sanitizer >/dev/null; then
+  SUB='Sizes/AppendCudaTest.*/1:Policies/SelectCudaTest.*/1:Policies/SelectCudaTest.*/3:Sizes/AttendCudaTest.*/1:Sizes/AttendCudaTest.*/6:AttendGraphTest.*'
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer $tool"
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/questkv_kernels_cuda_test" \
+      --gtest_filter="$SUB" >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    echo "$tool rc=$rc"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$OUT/sanitizer-$tool.log" | head -5
+    [ $rc -eq 0 ] || status=1
+  done
+else
+  echo "compute-sanitizer: not found"
+fi
+echo "== bench"
+"$BIN/questkv_gpu_kernels_bench" --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+exit $status

@@ -1,0 +1,228 @@
+// Sparse paged decode attention kernel (DESIGN.md §4 step 4), included by one
+// .cu per K/V dtype so the instantiations compile in parallel.
+//
+// Grid (rows, splits): a block attends entries [split * pps, +pps) of one
+// (sequence, KV head) row for all G query heads of its group, reading each
+// head-page in place from its slot. Lanes own slices of D (16-byte loads);
+// TY row groups per warp, R rows per lane per step with every K and V load of
+// the step issued before any arithmetic. Each warp keeps an online-softmax
+// state (base-2 logits, unnormalised o) for its rows; warps merge through
+// shared memory, and the block writes either the final output (one split) or
+// a normalised partial (o, m, d) for the merge kernel.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/kernels_cuda.h"
+
+namespace questkv::kernels::cuda {
+
+inline constexpr int kAttendWarps = 4;
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+template <typename T, int D, int S, int G>
+struct AttendTraits {
+  static constexpr int kVec = kVec16<T>;                               // elements per 16-byte load
+  static constexpr int kTx = D / kVec < 32 ? D / kVec : 32;            // lanes per row
+  static constexpr int kNv = D / (kVec * kTx);                         // loads per lane per row
+  static constexpr int kE = kNv * kVec;                                // elements per lane per row
+  static constexpr int kTy = 32 / kTx;                                 // rows per warp per load
+  static constexpr int kRmax = G >= 8 ? 2 : 4;
+  static constexpr int kR = S / kTy < kRmax ? S / kTy : kRmax;         // rows per lane per step
+  static constexpr int kRows = kTy * kR;                               // rows per warp per step
+  static constexpr int kBlocksPerPage = S / kRows;
+  static_assert(kR >= 1 && S % kRows == 0, "page size too small for this head dim");
+};
+
+// Workspace of split partials: o [rows][splits][G][D], then m and d [rows][splits][G].
+struct PartialView {
+  float* o;
+  float* m;
+  float* d;
+};
+inline PartialView Partials(void* ws, int rows, int splits, int group, int head_dim) {
+  float* o = static_cast<float*>(ws);
+  float* m = o + std::size_t(rows) * splits * group * head_dim;
+  return {o, m, m + std::size_t(rows) * splits * group};
+}
+
+template <typename T, int D, int S, int G>
+__global__ void __launch_bounds__(kAttendWarps * 32)
+    AttendKernel(AttendParams p, int kv_heads, int pps, int splits, PartialView part) {
+  using Tr = AttendTraits<T, D, S, G>;
+  constexpr int kTx = Tr::kTx, kTy = Tr::kTy, kR = Tr::kR, kNv = Tr::kNv, kE = Tr::kE, kVec = Tr::kVec;
+  __shared__ float sh_o[kAttendWarps][G][D];
+  __shared__ float sh_m[kAttendWarps][G];
+  __shared__ float sh_d[kAttendWarps][G];
+
+  const int row = blockIdx.x;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int tx = lane % kTx;
+  const int ty = lane / kTx;
+
+  const int base = p.indptr[row];
+  const int count = p.count ? p.count[row] : p.indptr[row + 1] - base;
+  const int e0 = split * pps;
+  const int e1 = min(count, e0 + pps);
+  const int last_len = p.last_len ? p.last_len[row / kv_heads] : S;
+
+  // Queries, pre-scaled so logits come out in base 2.
+  float q[G][kE];
+  const T* q_row = static_cast<const T*>(p.q) + std::size_t(row) * G * D;
+  const float qs = p.scale * kLog2e;
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int v = 0; v < kNv; ++v) {
+      float f[kVec];
+      Unpack16<T>(Load16(q_row + g * D + (v * kTx + tx) * kVec), f);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) q[g][v * kVec + e] = f[e] * qs;
+    }
+
+  float m[G], d[G], o[G][kE];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    d[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) o[g][e] = 0.f;
+  }
+
+  const T* pool = static_cast<const T*>(p.slots);
+  const int items = e1 > e0 ? (e1 - e0) * Tr::kBlocksPerPage : 0;
+  for (int it = warp; it < items; it += kAttendWarps) {
+    const int e = e0 + it / Tr::kBlocksPerPage;
+    const int r0 = (it % Tr::kBlocksPerPage) * Tr::kRows;
+    const int len = e == count - 1 ? last_len : S;
+    if (r0 >= len) continue;  // a short tail page: nothing in this row block
+    const T* k_base = pool + std::size_t(p.slot_ids[base + e]) * 2 * S * D;
+    const T* v_base = k_base + S * D;
+    uint4 kr[kR][kNv], vr[kR][kNv];
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      const int r = r0 + j * kTy + ty;
+#pragma unroll
+      for (int v = 0; v < kNv; ++v) {
+        const int col = (v * kTx + tx) * kVec;
+        if (r < len) {
+          kr[j][v] = Load16(k_base + r * D + col);
+          vr[j][v] = Load16(v_base + r * D + col);
+        } else {
+          kr[j][v] = make_uint4(0, 0, 0, 0);
+          vr[j][v] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    float s[kR][G];
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      float kf[kE];
+#pragma unroll
+      for (int v = 0; v < kNv; ++v) Unpack16<T>(kr[j][v], kf + v * kVec);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+#pragma unroll
+        for (int x = 0; x < kE; ++x) acc = fmaf(q[g][x], kf[x], acc);
+#pragma unroll
+        for (int off = kTx / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+        s[j][g] = r0 + j * kTy + ty < len ? acc : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = s[0][g];
+#pragma unroll
+      for (int j = 1; j < kR; ++j) mx = fmaxf(mx, s[j][g]);
+#pragma unroll
+      for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+      const float m_new = fmaxf(m[g], mx);  // finite: row r0 < len always
+      const float alpha = exp2f(m[g] - m_new);
+      m[g] = m_new;
+      d[g] *= alpha;
+#pragma unroll
+      for (int x = 0; x < kE; ++x) o[g][x] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kR; ++j) s[j][g] = exp2f(s[j][g] - m_new);
+    }
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      float vf[kE];
+#pragma unroll
+      for (int v = 0; v < kNv; ++v) Unpack16<T>(vr[j][v], vf + v * kVec);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        d[g] += s[j][g];
+#pragma unroll
+        for (int x = 0; x < kE; ++x) o[g][x] = fmaf(s[j][g], vf[x], o[g][x]);
+      }
+    }
+  }
+
+  // Row groups of the warp share m; add their d and o.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int off = kTx; off < 32; off <<= 1) {
+      d[g] += __shfl_xor_sync(0xFFFFFFFFu, d[g], off);
+#pragma unroll
+      for (int x = 0; x < kE; ++x) o[g][x] += __shfl_xor_sync(0xFFFFFFFFu, o[g][x], off);
+    }
+  }
+  if (ty == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int v = 0; v < kNv; ++v)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sh_o[warp][g][(v * kTx + tx) * kVec + e] = o[g][v * kVec + e];
+      if (tx == 0) {
+        sh_m[warp][g] = m[g];
+        sh_d[warp][g] = d[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps: one thread per (g, column).
+  T* out = static_cast<T*>(p.o) + std::size_t(row) * G * D;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+    const int g = i / D, c = i % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttendWarps; ++w) mm = fmaxf(mm, sh_m[w][g]);
+    float dd = 0.f, oo = 0.f;
+    if (mm != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kAttendWarps; ++w) {
+        const float a = sh_d[w][g] == 0.f ? 0.f : exp2f(sh_m[w][g] - mm);
+        dd += sh_d[w][g] * a;
+        oo += sh_o[w][g][c] * a;
+      }
+    }
+    const float on = dd == 0.f ? 0.f : oo / dd;
+    if (splits == 1) {
+      out[i] = FromFloat<T>(on);
+      if (p.lse && c == 0) p.lse[row * G + g] = dd == 0.f ? -INFINITY : mm * kLn2 + logf(dd);
+    } else {
+      const std::size_t at = (std::size_t(row) * splits + split) * G + g;
+      part.o[at * D + c] = on;
+      if (c == 0) {
+        part.m[at] = dd == 0.f ? -INFINITY : mm * kLn2;
+        part.d[at] = dd;
+      }
+    }
+  }
+}
+
+// Per-dtype entry points (attention_{f32,f16,bf16}.cu).
+template <typename T>
+cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream);
+
+}  // namespace questkv::kernels::cuda

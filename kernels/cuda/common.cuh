@@ -1,0 +1,61 @@
+// Device helpers shared by the kernels: dtype conversion and 16-byte vectors.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace questkv::kernels::cuda {
+
+template <typename T>
+__device__ __forceinline__ float ToFloat(T x);
+template <>
+__device__ __forceinline__ float ToFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float ToFloat<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Elements of T in one 16-byte load.
+template <typename T>
+constexpr int kVec16 = 16 / sizeof(T);
+
+// Converts the 16 bytes at `raw` (kVec16<T> elements) to floats.
+template <typename T>
+__device__ __forceinline__ void Unpack16(const uint4& raw, float* out) {
+  if constexpr (sizeof(T) == 4) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  } else {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+      } else {
+        // bf16 -> fp32 is a shift.
+        out[2 * i] = __uint_as_float(w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint4 Load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+}  // namespace questkv::kernels::cuda

@@ -1,0 +1,81 @@
+// Dispatch macros: runtime sizes become compile-time constants. The default
+// case records a message naming the unsupported value and returns
+// cudaErrorInvalidValue from the enclosing launcher.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "kernels/cuda/kernels_cuda.h"
+
+namespace questkv::kernels::cuda {
+
+void SetLastErrorMessage(std::string message);
+
+inline cudaError_t Unsupported(const char* what, long long value, const char* supported) {
+  SetLastErrorMessage(std::string("unsupported ") + what + " = " + std::to_string(value) + " (supported: " +
+                      supported + ")");
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace questkv::kernels::cuda
+
+#define QKV_DISPATCH_CASE(VAR, CONST, VALUE, ...) \
+  case VALUE: {                                   \
+    constexpr int CONST = VALUE;                  \
+    __VA_ARGS__                                   \
+    break;                                        \
+  }
+
+#define QKV_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...)                                          \
+  switch (head_dim) {                                                                          \
+    QKV_DISPATCH_CASE(head_dim, HEAD_DIM, 64, __VA_ARGS__)                                     \
+    QKV_DISPATCH_CASE(head_dim, HEAD_DIM, 128, __VA_ARGS__)                                    \
+    QKV_DISPATCH_CASE(head_dim, HEAD_DIM, 256, __VA_ARGS__)                                    \
+    default:                                                                                   \
+      return ::questkv::kernels::cuda::Unsupported("head_dim", (head_dim), "64, 128, 256");    \
+  }
+
+#define QKV_DISPATCH_PAGE_SIZE(page_size, PAGE_SIZE, ...)                                       \
+  switch (page_size) {                                                                         \
+    QKV_DISPATCH_CASE(page_size, PAGE_SIZE, 8, __VA_ARGS__)                                    \
+    QKV_DISPATCH_CASE(page_size, PAGE_SIZE, 16, __VA_ARGS__)                                   \
+    QKV_DISPATCH_CASE(page_size, PAGE_SIZE, 32, __VA_ARGS__)                                   \
+    QKV_DISPATCH_CASE(page_size, PAGE_SIZE, 64, __VA_ARGS__)                                   \
+    default:                                                                                   \
+      return ::questkv::kernels::cuda::Unsupported("page_size", (page_size), "8, 16, 32, 64"); \
+  }
+
+#define QKV_DISPATCH_GROUP(group, GROUP, ...)                                                  \
+  switch (group) {                                                                            \
+    QKV_DISPATCH_CASE(group, GROUP, 1, __VA_ARGS__)                                           \
+    QKV_DISPATCH_CASE(group, GROUP, 2, __VA_ARGS__)                                           \
+    QKV_DISPATCH_CASE(group, GROUP, 4, __VA_ARGS__)                                           \
+    QKV_DISPATCH_CASE(group, GROUP, 8, __VA_ARGS__)                                           \
+    default:                                                                                  \
+      return ::questkv::kernels::cuda::Unsupported("GQA group", (group), "1, 2, 4, 8");        \
+  }
+
+// DTYPE_T becomes float, __half or __nv_bfloat16.
+#define QKV_DISPATCH_DTYPE(dtype, DTYPE_T, ...)                                                   \
+  switch (dtype) {                                                                               \
+    case ::questkv::kernels::cuda::DType::kF32: {                                                \
+      using DTYPE_T = float;                                                                     \
+      __VA_ARGS__                                                                                \
+      break;                                                                                     \
+    }                                                                                            \
+    case ::questkv::kernels::cuda::DType::kF16: {                                                \
+      using DTYPE_T = __half;                                                                    \
+      __VA_ARGS__                                                                                \
+      break;                                                                                     \
+    }                                                                                            \
+    case ::questkv::kernels::cuda::DType::kBF16: {                                               \
+      using DTYPE_T = __nv_bfloat16;                                                             \
+      __VA_ARGS__                                                                                \
+      break;                                                                                     \
+    }                                                                                            \
+    default:                                                                                     \
+      return ::questkv::kernels::cuda::Unsupported("dtype", int(dtype), "f32, f16, bf16");       \
+  }

@@ -1,0 +1,165 @@
+// CUDA kernels of the decode step (DESIGN.md §4): append + summary, select
+// (score + GQA aggregation + top-K + sink/local/tail), and sparse paged decode
+// attention. Each has a CPU twin in kernels/cpu/kernels_cpu.h and a test
+// comparing the two (tests/kernels_cuda).
+//
+// Like kernels/cpu, these take plain device pointers, CSR index arrays and
+// sizes, and know nothing of sequences or tiers. Two levels of errors:
+//   * Plan* functions validate shapes on the host and return false with a
+//     message; they allocate nothing on the device.
+//   * Launch*/Run* functions only launch (no host synchronisation, no
+//     allocation), so they can be captured in a CUDA graph. They return
+//     cudaError_t; a size the dispatch does not cover returns
+//     cudaErrorInvalidValue and LastErrorMessage() names it.
+//
+// Layouts (DESIGN.md §3), all row-major:
+//   slot pool   [slot][2 (K,V)][S][D]   one head-page per slot
+//   summaries   [PageId][Hkv][2 (min,max)][D]
+//   hbm_slot    [PageId][Hkv]           slot of each head-page (-1: not cached)
+//   queries     [batch][Hq][D], Hq = Hkv * G; row r = b * Hkv + h owns query
+//               heads h*G .. h*G+G-1, i.e. q + r * G * D
+// Thread-safety: stateless functions; LastErrorMessage() is per thread.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace questkv::kernels::cuda {
+
+enum class DType : uint8_t { kF32, kF16, kBF16 };
+const char* DTypeName(DType t);
+std::size_t DTypeBytes(DType t);
+
+// Message of the last launch on this thread that returned cudaErrorInvalidValue
+// for an unsupported size or dtype ("" if none).
+const std::string& LastErrorMessage();
+
+// ---- append + summary ----------------------------------------------------------
+
+// Writes the new tokens of a ragged batch into their head-page slots and folds
+// their keys into the summaries of the touched head-pages (eq. 8), exactly as
+// AppendTokensHeadsCpu does, token by token in order. Prefill chunks and single
+// decode tokens alike. The pages must already exist in the page table and have
+// slots; a page's summary must hold the empty box before its first token.
+struct AppendParams {
+  DType kv_dtype = DType::kF16;       // k, v, slot pool
+  DType summary_dtype = DType::kF32;  // summaries
+  int batch = 0;
+  int kv_heads = 0;
+  int page_size = 0;  // S
+  int head_dim = 0;   // D
+  // Bound on new tokens of any one sequence in this call (sizes the grid).
+  int max_new_tokens = 0;
+  const int32_t* append_indptr = nullptr;  // [batch + 1] rows of k/v per sequence, first 0
+  const int32_t* start_pos = nullptr;      // [batch] token position of the first new token
+  const int32_t* page_indptr = nullptr;    // [batch + 1] page table CSR, first 0
+  const uint32_t* page_ids = nullptr;      // [page_indptr[batch]] PageIds in logical order
+  const int32_t* hbm_slot = nullptr;       // [PageId][Hkv]
+  const void* k = nullptr;                 // [append_indptr[batch]][Hkv][D]
+  const void* v = nullptr;                 // [append_indptr[batch]][Hkv][D]
+  void* slots = nullptr;                   // slot pool
+  void* summaries = nullptr;               // summary slab
+};
+cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream);
+
+// Sets the summaries of `n` PageIds to the empty box (min=+inf, max=-inf).
+cudaError_t LaunchResetSummaries(void* summaries, DType summary_dtype, const uint32_t* page_ids, int n,
+                                 int kv_heads, int head_dim, cudaStream_t stream);
+
+// ---- select ---------------------------------------------------------------------
+
+enum class GqaAgg : uint8_t { kMax, kMean, kUnion };  // as GqaMode in runtime/config.h
+
+// The policy of selector/select.cc for one layer: budget in pages
+// (floor(token_budget / S)), sink and local pages, GQA mode, dense flag.
+struct SelectShape {
+  int batch = 0;
+  int kv_heads = 0;
+  int group = 1;  // G
+  int head_dim = 0;
+  int page_size = 0;
+  int64_t page_budget = 0;
+  int sink_pages = 1;
+  int local_pages = 8;
+  GqaAgg gqa = GqaAgg::kMax;
+  bool dense = false;
+};
+
+// Host-side plan: the output CSR's row capacities (exact counts for kMax/kMean
+// and dense layers; an upper bound for kUnion) and the workspace size.
+struct SelectPlan {
+  std::vector<int32_t> out_indptr;  // [batch * Hkv + 1], copy to the device as SelectParams::out_indptr
+  std::size_t workspace_bytes = 0;
+  int64_t total_pages = 0;
+  int max_pages = 0;      // longest sequence, in pages
+  int score_blocks = 0;   // grid of the score kernel
+  int key_cache = 0;      // keys the top-K block keeps in shared memory
+};
+// page_counts: host copy of each sequence's number of pages (>= 1).
+bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, SelectPlan* plan,
+                std::string* error);
+
+struct SelectParams {
+  SelectShape shape;
+  DType q_dtype = DType::kF16;
+  DType summary_dtype = DType::kF32;
+  const void* q = nullptr;                 // [batch][Hq][D]
+  const void* summaries = nullptr;         // [PageId][Hkv][2][D]
+  const int32_t* page_indptr = nullptr;    // [batch + 1]
+  const uint32_t* page_ids = nullptr;      // [page_indptr[batch]]
+  const int32_t* hbm_slot = nullptr;       // optional [PageId][Hkv]: also write out_slots
+  const int32_t* out_indptr = nullptr;     // [rows + 1] from PlanSelect
+  int32_t* out_pages = nullptr;            // [out_indptr[rows]] logical page indices, ascending
+  int32_t* out_slots = nullptr;            // optional, same shape: hbm_slot of each chosen page
+  int32_t* out_count = nullptr;            // [rows] pages chosen per row
+  void* workspace = nullptr;               // PlanSelect's workspace_bytes
+};
+// Score (U_p = Σ_j max(q_j·min_j, q_j·max_j), with the CPU twin's float
+// arithmetic and summation order), aggregate, top-K with ties toward the
+// lower page index, plus sink and local pages; rows ascending.
+cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream);
+
+// ---- sparse paged decode attention ---------------------------------------------
+
+struct AttendShape {
+  int rows = 0;  // batch * Hkv
+  int kv_heads = 0;
+  int group = 1;      // G: 1, 2, 4, 8
+  int head_dim = 0;   // 64, 128, 256
+  int page_size = 0;  // 8, 16, 32, 64
+  DType dtype = DType::kF16;  // q, K/V and o; accumulation is fp32
+};
+
+// Split-K over pages: each row's pages are cut into `splits` chunks of
+// `pages_per_split`; partial (o, m, d) states merge associatively.
+struct AttendPlan {
+  AttendShape shape;
+  int splits = 1;
+  int pages_per_split = 0;
+  int max_pages = 0;
+  std::size_t workspace_bytes = 0;
+};
+// max_pages: bound on the entries of any row (the grid is sized for it, so the
+// run step can be captured once and replayed with other selections).
+bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* plan, std::string* error);
+
+struct AttendParams {
+  float scale = 0.f;                  // multiplies q·k (1/sqrt(D) for models)
+  const void* q = nullptr;            // [rows][G][D]
+  const void* slots = nullptr;        // slot pool [slot][2][S][D]
+  const int32_t* indptr = nullptr;    // [rows + 1] entries of each row, first 0
+  const int32_t* count = nullptr;     // optional [rows]: entries used (<= capacity); null: all
+  const int32_t* slot_ids = nullptr;  // [indptr[rows]] slot of each entry, any order
+  const int32_t* last_len = nullptr;  // optional [rows / Hkv]: valid tokens (1..S) of each row's
+                                      // last used entry; null: every entry is full
+  void* o = nullptr;                  // [rows][G][D]; zeros for an empty row
+  float* lse = nullptr;               // optional [rows][G]: m + log d (-inf for an empty row)
+  void* workspace = nullptr;          // PlanAttend's workspace_bytes
+};
+cudaError_t RunAttend(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream);
+
+}  // namespace questkv::kernels::cuda

@@ -1,0 +1,220 @@
+// LaunchSelect against the CPU twin: ScorePagesCpu + TopKCpu composed with the
+// policy of selector/select.cc (sink + local window + top-K, GQA max / mean /
+// union, dense layers). Selections must be equal exactly (same sets, same
+// ascending order), ties included, because the device reproduces the CPU's
+// float scores bit for bit and breaks ties toward the lower page index.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/kernels_cpu.h"
+#include "tests/kernels_cuda/cuda_test_util.h"
+#include "tests/testing/reference.h"
+
+namespace questkv::kernels::cuda::test {
+namespace {
+
+// select.cc's policy for one sequence (all KV heads), from float inputs.
+std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, const float* slab,
+                                        const uint32_t* ids, int n) {
+  const int G = s.group, D = s.head_dim, H = s.kv_heads;
+  std::vector<std::vector<int>> rows(H);
+  if (s.dense || s.page_budget >= n) {
+    for (auto& r : rows) r.resize(n), std::iota(r.begin(), r.end(), 0);
+    return rows;
+  }
+  std::vector<uint8_t> skip(n, 0);
+  const int sink = std::min(s.sink_pages, n), local = std::min(std::max(s.local_pages, 1), n);
+  for (int i = 0; i < sink; ++i) skip[i] = 1;
+  for (int i = n - local; i < n; ++i) skip[i] = 1;
+  const int fixed = int(std::count(skip.begin(), skip.end(), 1));
+  const int k = int(std::max<int64_t>(0, s.page_budget - fixed));
+  std::vector<float> scores(std::size_t(G) * n), agg(n);
+  std::vector<int> chosen(n), scratch(n);
+  for (int h = 0; h < H; ++h) {
+    ScorePagesCpu(q + std::size_t(h) * G * D, G, D, slab, H, h, ids, n, scores.data());
+    std::vector<uint8_t> mark(skip);
+    auto mark_top = [&](const float* sc) {
+      const int got = TopKCpu(sc, n, skip.data(), k, chosen.data(), scratch.data());
+      for (int i = 0; i < got; ++i) mark[chosen[i]] = 1;
+    };
+    if (s.gqa == GqaAgg::kUnion) {
+      for (int g = 0; g < G; ++g) mark_top(scores.data() + std::size_t(g) * n);
+    } else {
+      agg.assign(scores.begin(), scores.begin() + n);
+      for (int g = 1; g < G; ++g)
+        for (int i = 0; i < n; ++i)
+          agg[i] = s.gqa == GqaAgg::kMax ? std::max(agg[i], scores[std::size_t(g) * n + i]) : agg[i] + scores[std::size_t(g) * n + i];
+      if (s.gqa == GqaAgg::kMean)
+        for (int i = 0; i < n; ++i) agg[i] /= float(G);
+      mark_top(agg.data());
+    }
+    for (int i = 0; i < n; ++i)
+      if (mark[i]) rows[h].push_back(i);
+  }
+  return rows;
+}
+
+struct SelectCase {
+  int batch, kv_heads, group, head_dim, page_size;
+  int64_t page_budget;
+  GqaAgg gqa;
+  DType q_dtype, sum_dtype;
+  bool ties;       // summaries of few distinct values: many equal scores
+  bool dense = false;
+  int big_pages = 0;  // if > 0, sequence 0 has this many pages
+};
+
+void RunSelectCase(const SelectCase& c, uint64_t seed) {
+  const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
+  std::mt19937 rng{uint32_t(seed)};
+  // Token lengths 1, S-1, S, S+1, 4099 and random ones.
+  const int odd[] = {1, S - 1, S, S + 1, 4099, 3 * S + 5, 700, 40 * S};
+  std::vector<int32_t> counts(B), indptr(B + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    const int tokens = b < 8 ? odd[b] : 1 + int(rng() % 3000);
+    counts[b] = (tokens + S - 1) / S;
+    if (b == 0 && c.big_pages > 0) counts[b] = c.big_pages;
+    indptr[b + 1] = indptr[b] + counts[b];
+  }
+  const int pages = indptr[B];
+  const int id_space = pages + 11;
+  std::vector<uint32_t> perm(id_space);
+  std::iota(perm.begin(), perm.end(), 0u);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<uint32_t> ids(perm.begin(), perm.begin() + pages);
+  std::vector<int32_t> hbm_slot(std::size_t(id_space) * H);
+  for (std::size_t i = 0; i < hbm_slot.size(); ++i) hbm_slot[i] = int32_t((i * 7919) % (hbm_slot.size() + 5));
+
+  std::vector<float> slab(std::size_t(id_space) * H * 2 * D);
+  {
+    std::vector<float> x = questkv::test::RandomNormal(slab.size() / 2, seed + 1);
+    std::vector<float> w = questkv::test::RandomUniform(slab.size() / 2, seed + 2, 0.f, 1.f);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      if (c.ties) x[i] = std::round(x[i]), w[i] = std::round(w[i]);
+      const std::size_t head = i / D, j = i % D;
+      slab[head * 2 * D + j] = x[i] - w[i];
+      slab[head * 2 * D + D + j] = x[i] + w[i];
+    }
+  }
+  std::vector<float> q = questkv::test::RandomNormal(std::size_t(B) * H * G * D, seed + 3);
+  if (c.ties)
+    for (float& v : q) v = std::round(v);
+  slab = RoundTo(slab, c.sum_dtype);
+  q = RoundTo(q, c.q_dtype);
+
+  SelectShape s;
+  s.batch = B;
+  s.kv_heads = H;
+  s.group = G;
+  s.head_dim = D;
+  s.page_size = S;
+  s.page_budget = c.page_budget;
+  s.sink_pages = 1;
+  s.local_pages = 4;
+  s.gqa = c.gqa;
+  s.dense = c.dense;
+  SelectPlan plan;
+  std::string err;
+  ASSERT_TRUE(PlanSelect(s, counts.data(), NumSms(), &plan, &err)) << err;
+
+  DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws;
+  Upload(d_q, Encode(q, c.q_dtype));
+  Upload(d_slab, Encode(slab, c.sum_dtype));
+  Upload(d_indptr, indptr);
+  Upload(d_ids, ids);
+  Upload(d_slot, hbm_slot);
+  Upload(d_out_indptr, plan.out_indptr);
+  const int rows = B * H;
+  const int nnz = plan.out_indptr[rows];
+  Upload(d_pages, std::vector<int32_t>(nnz, -7));  // poison
+  Upload(d_slots, std::vector<int32_t>(nnz, -7));
+  Upload(d_count, std::vector<int32_t>(rows, -7));
+  d_ws.Resize(std::max<std::size_t>(plan.workspace_bytes, 1));
+
+  SelectParams p;
+  p.shape = s;
+  p.q_dtype = c.q_dtype;
+  p.summary_dtype = c.sum_dtype;
+  p.q = d_q.get();
+  p.summaries = d_slab.get();
+  p.page_indptr = d_indptr.as<int32_t>();
+  p.page_ids = d_ids.as<uint32_t>();
+  p.hbm_slot = d_slot.as<int32_t>();
+  p.out_indptr = d_out_indptr.as<int32_t>();
+  p.out_pages = d_pages.as<int32_t>();
+  p.out_slots = d_slots.as<int32_t>();
+  p.out_count = d_count.as<int32_t>();
+  p.workspace = d_ws.get();
+  QKV_CUDA_OK(LaunchSelect(plan, p, nullptr));
+  QKV_CUDA_OK(cudaDeviceSynchronize());
+  const auto got_pages = Download<int32_t>(d_pages, nnz);
+  const auto got_slots = Download<int32_t>(d_slots, nnz);
+  const auto got_count = Download<int32_t>(d_count, rows);
+
+  double worst_jaccard = 1.0;
+  for (int b = 0; b < B; ++b) {
+    const auto want = CpuSelect(s, q.data() + std::size_t(b) * H * G * D, slab.data(), ids.data() + indptr[b], counts[b]);
+    for (int h = 0; h < H; ++h) {
+      const int row = b * H + h;
+      ASSERT_LE(got_count[row], plan.out_indptr[row + 1] - plan.out_indptr[row]);
+      std::vector<int> got(got_pages.begin() + plan.out_indptr[row],
+                           got_pages.begin() + plan.out_indptr[row] + std::max(0, got_count[row]));
+      worst_jaccard = std::min(worst_jaccard, questkv::test::Jaccard(got, want[h]));
+      ASSERT_EQ(got, want[h]) << "sequence " << b << " (" << counts[b] << " pages), KV head " << h;
+      for (std::size_t j = 0; j < got.size(); ++j)
+        ASSERT_EQ(got_slots[plan.out_indptr[row] + j], hbm_slot[std::size_t(ids[indptr[b] + got[j]]) * H + h]);
+      if (c.gqa != GqaAgg::kUnion) {
+        ASSERT_EQ(got_count[row], plan.out_indptr[row + 1] - plan.out_indptr[row]);
+      }
+    }
+  }
+  ::testing::Test::RecordProperty("worst_jaccard", std::to_string(worst_jaccard));
+}
+
+class SelectCudaTest : public ::testing::TestWithParam<SelectCase> {};
+
+TEST_P(SelectCudaTest, EqualsCpuTwinExactly) {
+  QKV_REQUIRE_GPU();
+  for (uint64_t seed : {1u, 2u}) RunSelectCase(GetParam(), 100 * seed + GetParam().batch);
+}
+
+constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16;
+INSTANTIATE_TEST_SUITE_P(
+    Policies, SelectCudaTest,
+    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaAgg::kMax, F32, F32, false},
+                      SelectCase{3, 2, 4, 128, 16, 12, GqaAgg::kMax, F16, F16, false},
+                      SelectCase{7, 2, 4, 64, 8, 20, GqaAgg::kMean, F32, F32, false},
+                      SelectCase{7, 2, 8, 128, 16, 10, GqaAgg::kUnion, BF16, F32, false},
+                      SelectCase{23, 2, 4, 128, 16, 9, GqaAgg::kMax, F32, F32, true},
+                      SelectCase{23, 1, 8, 256, 32, 7, GqaAgg::kUnion, F32, F32, true},
+                      SelectCase{3, 2, 1, 64, 64, 6, GqaAgg::kMean, F16, F32, true},
+                      SelectCase{7, 2, 4, 128, 16, 8, GqaAgg::kMax, F16, F16, false, /*dense=*/true},
+                      SelectCase{3, 2, 4, 128, 16, 5, GqaAgg::kMax, F32, F32, false, false},
+                      // 4096 winners out of 65536+ pages in sequence 0.
+                      SelectCase{1, 2, 4, 128, 16, 4096, GqaAgg::kMax, F16, F16, false, false, 70001},
+                      SelectCase{3, 1, 4, 128, 16, 4096, GqaAgg::kMax, F32, F32, true, false, 65536},
+                      SelectCase{1, 1, 4, 64, 16, 1000, GqaAgg::kUnion, F32, F32, false, false, 30000}));
+
+TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
+  SelectShape s;
+  s.batch = 1;
+  s.kv_heads = 1;
+  s.group = 3;
+  s.head_dim = 128;
+  s.page_size = 16;
+  const int32_t counts[] = {4};
+  SelectPlan plan;
+  std::string err;
+  EXPECT_FALSE(PlanSelect(s, counts, 132, &plan, &err));
+  EXPECT_NE(err.find("group = 3"), std::string::npos) << err;
+  s.group = 4;
+  s.head_dim = 96;
+  EXPECT_FALSE(PlanSelect(s, counts, 132, &plan, &err));
+  EXPECT_NE(err.find("head_dim = 96"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace questkv::kernels::cuda::test
