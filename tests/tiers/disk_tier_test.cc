@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "tiers/checksum.h"
+#include "tiers/disk_probe.h"
 #include "tiers/disk_tier.h"
 
 namespace questkv {
@@ -610,6 +611,27 @@ TEST(DiskTierFaults, AFailingSeedReproduces) {
   const auto b = MixedFaults(MakeMemoryBackend(kQueueDepth), 23);
   EXPECT_EQ(a, b);
   EXPECT_NE(a, MixedFaults(MakeMemoryBackend(kQueueDepth), 24));
+}
+
+// ---- the probe --------------------------------------------------------------
+
+TEST(DiskProbe, MeasuresEveryPathAndLeavesNothingBehind) {
+  TempDir dir;
+  const std::string probe_dir = dir.path() + "/probe";
+  EXPECT_EQ(ProbeDiskReads(probe_dir, 1 << 20, 1000, 4, 0.01).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ProbeDiskReads(probe_dir, 4096, 65536, 4, 0.01).status().code(), Code::kInvalidArgument);
+  Result<DiskProbeResult> r = ProbeDiskReads(probe_dir, 4 << 20, 65536, 4, 0.02);
+  if (r.status().code() == Code::kUnimplemented) GTEST_SKIP() << r.status().ToString();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GT(r->raw_uring_gbps, 0);
+  EXPECT_GT(r->raw_uring_touched_gbps, 0);
+  EXPECT_GT(r->tier_uring_gbps, 0);
+  EXPECT_GT(r->tier_pread_gbps, 0);
+  EXPECT_GT(r->tier_write_gbps, 0);
+  EXPECT_EQ(r->block_bytes, 65536u);
+  EXPECT_EQ(r->uring_backend.substr(0, 8), "io_uring");
+  EXPECT_FALSE(std::filesystem::exists(probe_dir));
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
 }  // namespace
