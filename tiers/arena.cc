@@ -1,43 +1,34 @@
 #include "tiers/arena.h"
 
+#include "topology/alloc_faults.h"
+
 #include <cassert>
 #include <new>
 #include <string>
 
 namespace questkv {
 
-constexpr std::size_t kAlign = 4096;
-
-void AlignedFree::operator()(float* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
-
-AlignedFloats AllocateAligned(std::size_t elems) {
-  // Uninitialised on purpose: the OS commits pages on first touch.
-  return AlignedFloats(static_cast<float*>(::operator new[](elems * sizeof(float), std::align_val_t(kAlign), std::nothrow)));
-}
-
-namespace {
-AlignedFloats Reserve(std::size_t elems) { return AllocateAligned(elems); }
-}  // namespace
-
-Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uint32_t capacity,
-                                                     const char* name) {
+Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uint32_t capacity, const char* name,
+                                                     const HostPlacement& placement) {
   if (slot_elems == 0 || capacity == 0)
     return Status::InvalidArgument(std::string(name) + ": arena needs >= 1 slot of >= 1 element");
-  auto base = Reserve(slot_elems * capacity);
-  if (!base)
+  auto region = HostRegion::Allocate(slot_elems * capacity * sizeof(float), placement);
+  if (!region.ok())
     return Status::ResourceExhausted(std::string(name) + ": cannot reserve " +
-                                     std::to_string(slot_elems * capacity * sizeof(float)) + " bytes");
-  return std::unique_ptr<SlotArena>(new SlotArena(std::move(base), slot_elems, capacity, name));
+                                     std::to_string(slot_elems * capacity * sizeof(float)) +
+                                     " bytes: " + region.status().message());
+  return std::unique_ptr<SlotArena>(new SlotArena(std::move(*region), slot_elems, capacity, name));
 }
 
-SlotArena::SlotArena(AlignedFloats base, std::size_t slot_elems, uint32_t capacity,
-                     const char* name)
-    : base_(std::move(base)), slot_elems_(slot_elems), capacity_(capacity), in_use_(capacity, 0), name_(name) {
+SlotArena::SlotArena(HostRegion region, std::size_t slot_elems, uint32_t capacity, const char* name)
+    : region_(std::move(region)), slot_elems_(slot_elems), capacity_(capacity), in_use_(capacity, 0), name_(name) {
   free_.reserve(capacity);
   for (uint32_t i = capacity; i > 0; --i) free_.push_back(i - 1);
 }
 
 Result<uint32_t> SlotArena::Allocate() {
+  if (AllocFaults::ShouldFail())
+    return Status::ResourceExhausted(std::string(name_) + ": slot allocation failed (injected)");
   if (free_.empty())
     return Status::ResourceExhausted(std::string(name_) + ": all " + std::to_string(capacity_) + " slots of " +
                                      std::to_string(slot_bytes()) + " bytes are in use");
@@ -56,11 +47,11 @@ void SlotArena::Free(uint32_t slot) {
 
 Result<std::unique_ptr<SummarySlab>> SummarySlab::Create(uint32_t max_pages, int kv_heads, int head_dim) {
   const std::size_t elems = 2 * std::size_t(kv_heads) * head_dim;
-  auto base = Reserve(elems * max_pages);
-  if (!base)
-    return Status::ResourceExhausted("summary slab: cannot reserve " +
-                                     std::to_string(elems * max_pages * sizeof(float)) + " bytes");
-  return std::unique_ptr<SummarySlab>(new SummarySlab(std::move(base), elems));
+  auto region = HostRegion::Allocate(elems * max_pages * sizeof(float), {.numa_node = -1, .pin_for_gpu = false});
+  if (!region.ok())
+    return Status::ResourceExhausted("summary slab: cannot reserve " + std::to_string(elems * max_pages * sizeof(float)) +
+                                     " bytes: " + region.status().message());
+  return std::unique_ptr<SummarySlab>(new SummarySlab(std::move(*region), elems));
 }
 
 }  // namespace questkv

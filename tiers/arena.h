@@ -10,29 +10,26 @@
 #include <vector>
 
 #include "runtime/status.h"
+#include "topology/host_memory.h"
 
 namespace questkv {
-
-// 4096-byte aligned float storage (O_DIRECT I/O needs the alignment).
-struct AlignedFree {
-  void operator()(float* p) const;
-};
-using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
-AlignedFloats AllocateAligned(std::size_t elems);  // null on failure
 
 // `capacity` slots of `slot_elems` floats each, handed out by a free list.
 class SlotArena {
  public:
-  // ResourceExhausted when the reservation itself fails.
-  static Result<std::unique_ptr<SlotArena>> Create(std::size_t slot_elems, uint32_t capacity,
-                                                   const char* name);
+  // The memory is one HostRegion (4096-aligned, NUMA-bound, pinned for the
+  // GPU when asked and possible). ResourceExhausted when it cannot be had.
+  static Result<std::unique_ptr<SlotArena>> Create(std::size_t slot_elems, uint32_t capacity, const char* name,
+                                                   const HostPlacement& placement = {.numa_node = -1,
+                                                                                     .pin_for_gpu = false});
 
   Result<uint32_t> Allocate();
   void Free(uint32_t slot);
 
-  float* data(uint32_t slot) { return base_.get() + std::size_t(slot) * slot_elems_; }
-  const float* data(uint32_t slot) const { return base_.get() + std::size_t(slot) * slot_elems_; }
-  float* base() { return base_.get(); }
+  float* data(uint32_t slot) { return base() + std::size_t(slot) * slot_elems_; }
+  const float* data(uint32_t slot) const { return base() + std::size_t(slot) * slot_elems_; }
+  float* base() const { return static_cast<float*>(region_.data()); }
+  const HostRegion& region() const { return region_; }
   std::size_t bytes() const { return slot_bytes() * capacity_; }
   uint32_t capacity() const { return capacity_; }
   uint32_t used() const { return capacity_ - uint32_t(free_.size()); }
@@ -40,8 +37,8 @@ class SlotArena {
   std::size_t slot_bytes() const { return slot_elems_ * sizeof(float); }
 
  private:
-  SlotArena(AlignedFloats base, std::size_t slot_elems, uint32_t capacity, const char* name);
-  AlignedFloats base_;
+  SlotArena(HostRegion region, std::size_t slot_elems, uint32_t capacity, const char* name);
+  HostRegion region_;
   std::size_t slot_elems_;
   uint32_t capacity_;
   uint32_t used_peak_ = 0;
@@ -55,14 +52,14 @@ class SlotArena {
 class SummarySlab {
  public:
   static Result<std::unique_ptr<SummarySlab>> Create(uint32_t max_pages, int kv_heads, int head_dim);
-  float* page(uint32_t id) { return base_.get() + std::size_t(id) * elems_; }
-  const float* page(uint32_t id) const { return base_.get() + std::size_t(id) * elems_; }
-  const float* base() const { return base_.get(); }
+  float* page(uint32_t id) { return base() + std::size_t(id) * elems_; }
+  const float* page(uint32_t id) const { return base() + std::size_t(id) * elems_; }
+  float* base() const { return static_cast<float*>(region_.data()); }
   std::size_t page_bytes() const { return elems_ * sizeof(float); }
 
  private:
-  SummarySlab(AlignedFloats base, std::size_t elems) : base_(std::move(base)), elems_(elems) {}
-  AlignedFloats base_;
+  SummarySlab(HostRegion region, std::size_t elems) : region_(std::move(region)), elems_(elems) {}
+  HostRegion region_;
   std::size_t elems_;
 };
 

@@ -16,6 +16,8 @@ class AllocFaults {
   // n <= 0 disarms.
   static void FailAt(int64_t n) { countdown_.store(n > 0 ? n : 0, std::memory_order_relaxed); }
   static void Clear() { FailAt(0); }
+  // True while the armed failure has not happened yet.
+  static bool Pending() { return countdown_.load(std::memory_order_relaxed) > 0; }
 
   // Counts one allocation while armed; true for the armed one.
   static bool ShouldFail() {

@@ -1,0 +1,103 @@
+// HbmCache against a plain model of its rules: LRU within a partition, a
+// fair share per partition, nothing used this step or pinned is evicted.
+#include "tiers/hbm_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace questkv {
+namespace {
+
+std::unique_ptr<HbmCache> Make(uint32_t slots, int heads = 1) {
+  auto c = HbmCache::Create(slots, 8, 256, heads);
+  EXPECT_TRUE(c.ok());
+  return std::move(*c);
+}
+
+TEST(HbmCache, EvictsLeastRecentlyUsedWithinAPartition) {
+  auto c = Make(3);
+  const uint32_t p = c->AddPartition();
+  for (uint32_t page = 0; page < 3; ++page) ASSERT_TRUE(c->Insert(page, 0, p, page, false).ok());
+  c->Touch(c->Lookup(0, 0), 5);  // page 0 becomes most recent; page 1 is now the LRU
+  ASSERT_TRUE(c->Insert(3, 0, p, 6, false).ok());
+  EXPECT_EQ(c->Lookup(1, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(0, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(2, 0), HbmCache::kNone);
+  EXPECT_EQ(c->stats().evictions, 1);
+}
+
+TEST(HbmCache, NeverEvictsWhatThisStepUsedOrAPinnedTail) {
+  auto c = Make(3);
+  const uint32_t p = c->AddPartition();
+  ASSERT_TRUE(c->Insert(0, 0, p, 1, true).ok());  // tail
+  ASSERT_TRUE(c->Insert(1, 0, p, 7, false).ok());
+  ASSERT_TRUE(c->Insert(2, 0, p, 7, false).ok());
+  auto r = c->Insert(3, 0, p, 7, false);
+  EXPECT_EQ(r.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(c->Lookup(0, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(1, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(2, 0), HbmCache::kNone);
+  // Next step, page 1 (least recent) may go; the pinned tail never.
+  ASSERT_TRUE(c->Insert(3, 0, p, 8, false).ok());
+  EXPECT_EQ(c->Lookup(1, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(0, 0), HbmCache::kNone);
+}
+
+TEST(HbmCache, OneLongPartitionCannotEvictAnothersShare) {
+  auto c = Make(8);
+  const uint32_t a = c->AddPartition(), b = c->AddPartition();
+  for (uint32_t page = 0; page < 3; ++page) ASSERT_TRUE(c->Insert(100 + page, 0, b, 0, false).ok());
+  // a streams many pages: it may fill its own share (4) and the free slot, but
+  // b keeps at least its share (its 3 slots are under it).
+  for (uint32_t page = 0; page < 40; ++page) ASSERT_TRUE(c->Insert(page, 0, a, 1 + page, false).ok());
+  for (uint32_t page = 0; page < 3; ++page) EXPECT_NE(c->Lookup(100 + page, 0), HbmCache::kNone);
+  EXPECT_LE(c->partition_slots(a), 5u);
+  // b, under its share, takes back from a (over its share) instead of itself.
+  ASSERT_TRUE(c->Insert(103, 0, b, 100, false).ok());
+  for (uint32_t page = 0; page < 4; ++page) EXPECT_NE(c->Lookup(100 + page, 0), HbmCache::kNone);
+  EXPECT_EQ(c->partition_slots(a), 4u);
+}
+
+TEST(HbmCache, DropAndUnpinKeepAccountingExact) {
+  auto c = Make(4, 2);
+  const uint32_t p = c->AddPartition();
+  for (int h = 0; h < 2; ++h) ASSERT_TRUE(c->Insert(5, h, p, 0, true).ok());
+  EXPECT_EQ(c->stats().slots_pinned, 2u);
+  c->Unpin(c->Lookup(5, 0), 1);
+  c->Unpin(c->Lookup(5, 1), 1);
+  EXPECT_EQ(c->stats().slots_pinned, 0u);
+  EXPECT_EQ(c->partition_slots(p), 2u);
+  c->Drop(5);
+  EXPECT_EQ(c->Lookup(5, 0), HbmCache::kNone);
+  EXPECT_EQ(c->Lookup(5, 1), HbmCache::kNone);
+  EXPECT_EQ(c->stats().slots_used, 0u);
+  EXPECT_EQ(c->partition_slots(p), 0u);
+  c->RemovePartition(p);
+}
+
+TEST(HbmCache, RandomOperationsKeepAccountingExact) {
+  // Residency and slot counts stay exact under random inserts and touches.
+  std::mt19937 rng(7);
+  auto c = Make(16);
+  std::vector<uint32_t> parts = {c->AddPartition(), c->AddPartition(), c->AddPartition()};
+  int64_t step = 0;
+  for (int i = 0; i < 3000; ++i) {
+    if (i % 7 == 0) ++step;
+    const uint32_t part = parts[rng() % parts.size()];
+    const uint32_t page = part * 20 + rng() % 20;
+    if (int32_t s = c->Lookup(page, 0); s != HbmCache::kNone) {
+      c->Touch(s, step);
+      continue;
+    }
+    auto r = c->Insert(page, 0, part, step, false);
+    if (r.ok()) EXPECT_EQ(c->Lookup(page, 0), *r);
+    uint32_t total = 0;
+    for (uint32_t p : parts) total += c->partition_slots(p);
+    ASSERT_EQ(total, c->stats().slots_used);
+    ASSERT_LE(c->stats().slots_used, 16u);
+  }
+}
+
+}  // namespace
+}  // namespace questkv

@@ -1,0 +1,99 @@
+// HbmCache: the "hbm" tier — a fixed arena of head-page slots ([2 (K,V)][S][D]
+// each) holding every tail page (pinned) and a cache of sealed head-pages
+// (clean copies: eviction never writes back).
+//
+// The cache is partitioned per (sequence, layer): each partition may hold up
+// to an equal share of the unpinned slots, and evicts its own least recently
+// used slot before anyone else's, so one long sequence cannot evict everyone
+// else. A slot used at the current step is never a victim, nor is a pinned
+// (tail) slot. Residency is the device-side table of DESIGN.md §3,
+// hbm_slot[PageId][Hkv] (-1 when not cached).
+//
+// Thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/status.h"
+#include "tiers/arena.h"
+
+namespace questkv {
+
+struct HbmStats {
+  int64_t hits = 0, misses = 0, evictions = 0, bypasses = 0;
+  uint32_t slots_capacity = 0, slots_used = 0, slots_peak = 0, slots_pinned = 0;
+};
+
+class HbmCache {
+ public:
+  static constexpr int32_t kNone = -1;
+  static constexpr uint32_t kOrphan = 0;  // holds slots whose partition went away
+
+  // `slots` head-page slots of 2*S*D floats; residency for max_pages x kv_heads.
+  static Result<std::unique_ptr<HbmCache>> Create(uint32_t slots, std::size_t head_page_elems,
+                                                  uint32_t max_pages, int kv_heads);
+
+  // Partitions are named by small integers handed out here.
+  uint32_t AddPartition();
+  // Evicts the partition's cached slots; its pinned ones move to a shared
+  // orphan partition.
+  void RemovePartition(uint32_t partition);
+
+  // Slot of (page, head) or kNone.
+  int32_t Lookup(uint32_t page, int head) const { return resident_[std::size_t(page) * kv_heads_ + head]; }
+  // Marks a resident slot used at `step` (LRU order, protection from eviction).
+  void Touch(int32_t slot, int64_t step);
+  // A slot for (page, head) in `partition`, pinned (tail) or cached. May
+  // evict: first this partition's LRU unpinned slot not used at `step`, then
+  // the LRU slot of the partition furthest over its share. ResourceExhausted
+  // when nothing can be evicted (the caller may then read from the home in
+  // place). The slot's bytes are unspecified.
+  Result<int32_t> Insert(uint32_t page, int head, uint32_t partition, int64_t step, bool pinned);
+  // Turns a pinned slot into a cached one (a tail page was sealed).
+  void Unpin(int32_t slot, int64_t step);
+  // Frees every slot of a page (the page died or its data changed).
+  void Drop(uint32_t page);
+
+  float* data(int32_t slot) { return arena_->data(uint32_t(slot)); }
+  const float* data(int32_t slot) const { return arena_->data(uint32_t(slot)); }
+  std::size_t slot_bytes() const { return arena_->slot_bytes(); }
+
+  HbmStats& stats() { return stats_; }
+  const HbmStats& stats() const { return stats_; }
+  uint32_t partition_slots(uint32_t partition) const { return parts_[partition].count; }
+
+ private:
+  struct Slot {
+    uint32_t page = 0;
+    int32_t prev = kNone, next = kNone;  // partition LRU list, head = most recent
+    uint32_t partition = 0;
+    int64_t last_step = -1;
+    uint8_t head = 0;
+    bool pinned = false;
+  };
+  struct Partition {
+    int32_t mru = kNone, lru = kNone;
+    uint32_t count = 0;  // unpinned slots
+    bool live = false;
+  };
+  HbmCache(std::unique_ptr<SlotArena> arena, uint32_t max_pages, int kv_heads);
+  void Link(int32_t slot);
+  void Unlink(int32_t slot);
+  int32_t VictimIn(uint32_t partition, int64_t step) const;
+  int32_t FindVictim(uint32_t partition, int64_t step, bool pinned) const;
+  void Evict(int32_t slot);
+  uint32_t Share() const;
+
+  std::unique_ptr<SlotArena> arena_;
+  int kv_heads_;
+  std::vector<int32_t> resident_;  // [max_pages * Hkv]
+  std::vector<Slot> slots_;
+  std::vector<Partition> parts_;
+  std::vector<uint32_t> free_parts_;
+  uint32_t live_parts_ = 0;
+  HbmStats stats_;
+};
+
+}  // namespace questkv
