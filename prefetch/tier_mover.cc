@@ -1,0 +1,282 @@
+#include "prefetch/tier_mover.h"
+
+#include "tiers/checksum.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+
+namespace questkv {
+
+namespace {
+constexpr uint32_t kNoSlot = UINT32_MAX;
+}  // namespace
+
+TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
+                     uint32_t max_pages, HbmCache* hbm, SlotArena* host, DiskTier* disk)
+    : g_(g), policy_(policy), high_water_(high_water), low_water_(low_water), hbm_(hbm), host_(host), disk_(disk),
+      homes_(max_pages) {
+  stats_.host_slots_capacity = host_->capacity();
+}
+
+void TierMover::CountHost() {
+  stats_.host_slots_used = host_->used();
+  stats_.host_slots_peak = std::max(stats_.host_slots_peak, host_->used());
+}
+
+Status TierMover::Seal(uint32_t page, uint32_t generation, int64_t step) {
+  Home& h = homes_[page];
+  assert(h.host_slot == kNoSlot && h.io == Io::kIdle);
+  auto slot = host_->Allocate();
+  if (!slot.ok()) {
+    QKV_RETURN_IF_ERROR(MakeHostRoom(step));
+    slot = host_->Allocate();
+    if (!slot.ok()) return slot.status();
+  }
+  float* home = host_->data(*slot);
+  const std::size_t hp = g_.head_page_elems();
+  for (int head = 0; head < g_.kv_heads; ++head) {
+    const int32_t s = hbm_->Lookup(page, head);
+    assert(s != HbmCache::kNone);
+    std::memcpy(home + head * hp, hbm_->data(s), hp * sizeof(float));
+    std::memcpy(home + (g_.kv_heads + head) * hp, hbm_->data(s) + hp, hp * sizeof(float));
+    hbm_->Unpin(s, step);
+  }
+  stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
+  h = Home{};
+  h.host_slot = *slot;
+  h.host_valid = true;
+  h.generation = generation;
+  h.last_step = step - 1;  // sealed, not yet selected: demotable this step
+  // Taken while the bytes are known good; checked again right before a write.
+  h.checksum = PageChecksum(home, g_.page_bytes(), page, generation);
+  CountHost();
+  return Status::Ok();
+}
+
+void TierMover::CopyHeadToSlot(uint32_t page, int head, float* slot) {
+  const float* home = host_->data(homes_[page].host_slot);
+  const std::size_t hp = g_.head_page_elems();
+  std::memcpy(slot, home + head * hp, hp * sizeof(float));
+  std::memcpy(slot + hp, home + (g_.kv_heads + head) * hp, hp * sizeof(float));
+}
+
+Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int head, uint32_t partition,
+                                      int64_t step) {
+  Home& h = homes_[page];
+  if (h.last_step != step) ++h.uses;
+  h.last_step = step;
+  const std::size_t hp = g_.head_page_elems();
+  if (const int32_t s = hbm_->Lookup(page, head); s != HbmCache::kNone) {
+    ++hbm_->stats().hits;
+    hbm_->Touch(s, step);
+    return HeadSource{hbm_->data(s), hbm_->data(s) + hp, false};
+  }
+  ++hbm_->stats().misses;
+  if (!h.host_valid) {
+    if (!disk_) return Status::Internal("page " + std::to_string(page) + " has no home");
+    ++stats_.cold_misses;
+    if (policy_ == ColdMissPolicy::kDeadline) {
+      // Start the promotion if there is room now; never wait for it.
+      if (h.io == Io::kIdle && host_->used() < host_->capacity()) {
+        if (Status s = StartPromotion(page); !s.ok() && s.code() != Code::kResourceExhausted) return s;
+      }
+      ++stats_.pages_skipped;
+      return HeadSource{nullptr, nullptr, true};
+    }
+    ++stats_.cold_stalls;
+    QKV_RETURN_IF_ERROR(EnsureHost(page, generation, step));
+  }
+  stats_.bytes.host_to_hbm += int64_t(2 * hp * sizeof(float));
+  auto slot = hbm_->Insert(page, head, partition, step, false);
+  if (!slot.ok()) {
+    // Nothing evictable: attend from the host home in place (zero-copy).
+    ++hbm_->stats().bypasses;
+    h.pinned_epoch = read_epoch_;  // attention holds a pointer into the host slot
+    const float* home = host_->data(h.host_slot);
+    return HeadSource{home + head * hp, home + (g_.kv_heads + head) * hp, false};
+  }
+  CopyHeadToSlot(page, head, hbm_->data(*slot));
+  return HeadSource{hbm_->data(*slot), hbm_->data(*slot) + hp, false};
+}
+
+Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step) {
+  const std::size_t hp = g_.head_page_elems();
+  bool in_hbm = true;
+  for (int head = 0; head < g_.kv_heads && in_hbm; ++head) in_hbm = hbm_->Lookup(page, head) != HbmCache::kNone;
+  if (in_hbm) {
+    for (int head = 0; head < g_.kv_heads; ++head) {
+      const float* s = hbm_->data(hbm_->Lookup(page, head));
+      std::memcpy(dst + head * hp, s, hp * sizeof(float));
+      std::memcpy(dst + (g_.kv_heads + head) * hp, s + hp, hp * sizeof(float));
+    }
+    return Status::Ok();
+  }
+  QKV_RETURN_IF_ERROR(EnsureHost(page, generation, step));
+  std::memcpy(dst, host_->data(homes_[page].host_slot), g_.page_elems() * sizeof(float));
+  return Status::Ok();
+}
+
+void TierMover::Drop(uint32_t page) {
+  Home& h = homes_[page];
+  if (h.io != Io::kIdle) (void)WaitIdle(page);  // its outcome no longer matters
+  hbm_->Drop(page);
+  if (h.host_slot != kNoSlot) host_->Free(h.host_slot);
+  if (disk_) disk_->Drop(page);
+  h = Home{};
+  CountHost();
+}
+
+Status TierMover::Pump(int64_t step) {
+  if (!disk_) return Status::Ok();
+  QKV_RETURN_IF_ERROR(ReapAll(0));
+  if (host_->used() > high_water_ * host_->capacity())
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step));
+  return Status::Ok();
+}
+
+Status TierMover::Complete(const DiskCompletion& c) {
+  Home& h = homes_[c.page_id];
+  const bool was_write = h.io == Io::kWriting;
+  assert(h.io != Io::kIdle && was_write == c.is_write);
+  h.io = Io::kIdle;
+  if (!c.status.ok()) {
+    ++(c.status.code() == Code::kCorruption ? stats_.corruptions : stats_.io_errors);
+    if (!was_write) {
+      // The bytes in the host slot are not to be trusted: drop them.
+      host_->Free(h.host_slot);
+      h.host_slot = kNoSlot;
+      h.error = c.status;
+      CountHost();
+    }
+    return Status::Ok();  // surfaced to whoever waits on the page
+  }
+  if (was_write) {
+    ++stats_.demotions;
+    stats_.bytes.host_to_disk += int64_t(g_.page_bytes());
+    // Read in place since the write was queued: keep the host copy for now
+    // (a later demotion drops it for free, the disk copy being there).
+    if (h.pinned_epoch < read_epoch_) {
+      host_->Free(h.host_slot);
+      h.host_slot = kNoSlot;
+      h.host_valid = false;
+    }
+  } else {
+    ++stats_.promotions;
+    stats_.bytes.disk_to_host += int64_t(g_.page_bytes());
+    h.host_valid = true;
+    h.error = Status::Ok();
+  }
+  CountHost();
+  return Status::Ok();
+}
+
+Status TierMover::ReapAll(int min_complete) {
+  done_.clear();
+  QKV_RETURN_IF_ERROR(disk_->Reap(&done_, min_complete));
+  for (const DiskCompletion& c : done_) QKV_RETURN_IF_ERROR(Complete(c));
+  return Status::Ok();
+}
+
+Status TierMover::WaitIdle(uint32_t page) {
+  while (homes_[page].io != Io::kIdle) QKV_RETURN_IF_ERROR(ReapAll(1));
+  return Status::Ok();
+}
+
+// Coldest first: least recently selected, then least often. A page read in
+// place since the last EndReads stays: attention holds a pointer into it.
+Status TierMover::Demote(std::size_t target_used, int64_t step) {
+  order_.clear();
+  for (uint32_t p = 0; p < homes_.size(); ++p) {
+    const Home& h = homes_[p];
+    if (h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_) order_.push_back(p);
+  }
+  std::sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) {
+    const Home &x = homes_[a], &y = homes_[b];
+    return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
+  });
+  std::size_t used = host_->used();
+  for (uint32_t p : order_) {
+    if (used <= target_used) break;
+    Home& h = homes_[p];
+    if (disk_->Holds(p, h.generation)) {
+      // Immutable page already on disk: leaving the host costs no write.
+      host_->Free(h.host_slot);
+      h.host_slot = kNoSlot;
+      h.host_valid = false;
+      ++stats_.clean_drops;
+      --used;
+      continue;
+    }
+    auto ticket = disk_->SubmitWrite(p, h.generation, host_->data(h.host_slot), h.checksum);
+    if (!ticket.ok()) {
+      const Code code = ticket.status().code();
+      if (code == Code::kResourceExhausted) break;  // queue or disk full
+      if (code != Code::kCorruption) return ticket.status();
+      // The host copy no longer matches its seal: it must never be served.
+      ++stats_.corruptions;
+      host_->Free(h.host_slot);
+      h.host_slot = kNoSlot;
+      h.host_valid = false;
+      h.error = ticket.status();
+      --used;
+      continue;
+    }
+    h.io = Io::kWriting;
+    --used;
+  }
+  CountHost();
+  return Status::Ok();
+}
+
+Status TierMover::MakeHostRoom(int64_t step) {
+  if (!disk_) return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
+                                               " pages) and no disk tier to demote to");
+  while (host_->used() == host_->capacity()) {
+    QKV_RETURN_IF_ERROR(Demote(std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity())), step));
+    if (host_->used() < host_->capacity()) break;
+    if (disk_->in_flight() == 0)
+      return Status::ResourceExhausted("host tier full and nothing can be demoted (disk full or every page in use)");
+    QKV_RETURN_IF_ERROR(ReapAll(1));
+  }
+  return Status::Ok();
+}
+
+Status TierMover::StartPromotion(uint32_t page) {
+  Home& h = homes_[page];
+  auto slot = host_->Allocate();
+  if (!slot.ok()) return slot.status();
+  auto ticket = disk_->SubmitRead(page, h.generation, host_->data(*slot));
+  if (!ticket.ok()) {
+    host_->Free(*slot);
+    return ticket.status();
+  }
+  h.host_slot = *slot;
+  h.host_valid = false;
+  h.io = Io::kReading;
+  CountHost();
+  return Status::Ok();
+}
+
+Status TierMover::EnsureHost(uint32_t page, uint32_t generation, int64_t step) {
+  Home& h = homes_[page];
+  assert(h.generation == generation);
+  (void)generation;
+  if (h.host_valid) return Status::Ok();
+  if (h.io == Io::kIdle) {
+    if (!disk_ || !disk_->Holds(page, h.generation))
+      return h.error.ok() ? Status::Internal("page " + std::to_string(page) + " has no readable copy") : h.error;
+    if (host_->used() == host_->capacity()) QKV_RETURN_IF_ERROR(MakeHostRoom(step));
+    Status s = StartPromotion(page);
+    while (s.code() == Code::kResourceExhausted && disk_->in_flight() > 0) {  // queue full: make way
+      QKV_RETURN_IF_ERROR(ReapAll(1));
+      s = StartPromotion(page);
+    }
+    QKV_RETURN_IF_ERROR(s);
+  }
+  QKV_RETURN_IF_ERROR(WaitIdle(page));
+  if (!h.host_valid) return h.error.ok() ? Status::Internal("promotion of page " + std::to_string(page) + " failed") : h.error;
+  return Status::Ok();
+}
+
+}  // namespace questkv

@@ -1,0 +1,115 @@
+// TierMover: moves page bytes between the tiers and counts every byte moved —
+// the one place that does either.
+//
+//   seal        hbm (tail slots) -> host home, when a page fills
+//   fetch       host home -> an hbm cache slot, for a selected head-page that
+//               missed (or read in place when no slot can be evicted)
+//   demote      host -> disk, coldest pages first (least recently, then least
+//               often selected), past the host high-water mark down to the low
+//               one; the host slot is freed once the write completed and its
+//               checksum held; a page whose disk copy exists leaves for free
+//   promote     disk -> host, for a cold miss: `strict` waits for it,
+//               `deadline` skips the page this step and lets it land later
+//
+// Sealed pages are immutable, so every copy is clean and nothing is ever
+// written back from hbm more than once. The CPU backend drives this from the
+// decode thread (Pump once per decode call); nothing here starts a thread.
+//
+// Thread-compatible.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/config.h"
+#include "runtime/status.h"
+#include "tiers/arena.h"
+#include "tiers/disk_tier.h"
+#include "tiers/hbm_cache.h"
+
+namespace questkv {
+
+struct LinkBytes {
+  int64_t host_to_hbm = 0, hbm_to_host = 0, host_to_disk = 0, disk_to_host = 0;
+};
+
+struct MoverStats {
+  LinkBytes bytes;
+  int64_t cold_misses = 0;    // selected head-pages whose home was disk
+  int64_t cold_stalls = 0;    // ... that the step waited for (strict)
+  int64_t pages_skipped = 0;  // ... that the step attended without (deadline)
+  int64_t demotions = 0, promotions = 0, clean_drops = 0;
+  int64_t io_errors = 0, corruptions = 0;
+  uint32_t host_slots_capacity = 0, host_slots_used = 0, host_slots_peak = 0;
+};
+
+// Where attention reads one head-page from this step.
+struct HeadSource {
+  const float* k = nullptr;  // [S][D]
+  const float* v = nullptr;  // [S][D]
+  bool skipped = false;      // deadline policy: not available this step
+};
+
+class TierMover {
+ public:
+  // `disk` may be null (no disk tier). The mover does not own the tiers.
+  TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t max_pages,
+            HbmCache* hbm, SlotArena* host, DiskTier* disk);
+
+  // Gives a page that just filled a host home and turns its pinned hbm slots
+  // into cached ones. ResourceExhausted when host and disk are both full.
+  Status Seal(uint32_t page, uint32_t generation, int64_t step);
+  // The head-page's bytes for attention at `step`, fetching on a miss.
+  Result<HeadSource> Resolve(uint32_t page, uint32_t generation, int head, uint32_t partition, int64_t step);
+  // Copies a page's bytes (layout [2][Hkv][S][D]) to dst from wherever they
+  // are, promoting it from disk (counted like any promotion) if need be.
+  Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
+  // A page died: frees its host slot and disk copy (waiting for its I/O).
+  void Drop(uint32_t page);
+  // Reaps finished I/O and starts demotions past the high-water mark.
+  Status Pump(int64_t step);
+  // The caller is done with every pointer Resolve returned so far: host slots
+  // read in place may be demoted again.
+  void EndReads() { ++read_epoch_; }
+
+  const MoverStats& stats() const { return stats_; }
+  bool has_disk() const { return disk_ != nullptr; }
+
+ private:
+  enum class Io : uint8_t { kIdle, kWriting, kReading };
+  struct Home {
+    uint32_t host_slot = UINT32_MAX;
+    bool host_valid = false;  // host slot holds the bytes (not mid-read)
+    Io io = Io::kIdle;
+    uint32_t generation = 0;
+    int64_t last_step = -1;   // last selected
+    int64_t pinned_epoch = -1; // read in place from the host slot during this epoch
+    uint32_t uses = 0;
+    uint64_t checksum = 0;    // PageChecksum at seal time
+    Status error;             // last failed read, surfaced to strict waiters
+  };
+  Status Complete(const DiskCompletion& c);
+  Status ReapAll(int min_complete);
+  Status WaitIdle(uint32_t page);
+  Status MakeHostRoom(int64_t step);
+  Status Demote(std::size_t target_used, int64_t step);
+  Status StartPromotion(uint32_t page);
+  Status EnsureHost(uint32_t page, uint32_t generation, int64_t step);
+  void CopyHeadToSlot(uint32_t page, int head, float* slot);
+  void CountHost();
+
+  Geometry g_;
+  ColdMissPolicy policy_;
+  double high_water_, low_water_;
+  HbmCache* hbm_;
+  SlotArena* host_;
+  DiskTier* disk_;
+  std::vector<Home> homes_;  // [max_pages]
+  std::vector<DiskCompletion> done_;
+  std::vector<uint32_t> order_;
+  MoverStats stats_;
+  int64_t read_epoch_ = 0;
+};
+
+}  // namespace questkv
