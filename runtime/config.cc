@@ -96,14 +96,48 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
   return Status::Ok();
 }
 
+std::string_view ColdMissPolicyName(ColdMissPolicy p) { return p == ColdMissPolicy::kStrict ? "strict" : "deadline"; }
+
+Result<ColdMissPolicy> ParseColdMissPolicy(std::string_view s) {
+  if (s == "strict") return ColdMissPolicy::kStrict;
+  if (s == "deadline") return ColdMissPolicy::kDeadline;
+  return Status::InvalidArgument("unknown cold-miss policy '" + std::string(s) + "' (strict, deadline)");
+}
+
+std::string_view IoBackendKindName(IoBackendKind k) {
+  switch (k) {
+    case IoBackendKind::kAuto: return "auto";
+    case IoBackendKind::kUring: return "uring";
+    case IoBackendKind::kPread: return "pread";
+  }
+  return "?";
+}
+
+Result<IoBackendKind> ParseIoBackendKind(std::string_view s) {
+  if (s == "auto") return IoBackendKind::kAuto;
+  if (s == "uring") return IoBackendKind::kUring;
+  if (s == "pread") return IoBackendKind::kPread;
+  return Status::InvalidArgument("unknown I/O backend '" + std::string(s) + "' (auto, uring, pread)");
+}
+
 Status Config::Validate() const {
   QKV_RETURN_IF_ERROR(geometry.Validate());
   QKV_RETURN_IF_ERROR(policy.Validate(geometry));
   if (max_pages < 1 || max_pages > (1u << 30))
     return Status::InvalidArgument(Field("max_pages", max_pages, "must be in 1..2^30"));
+  // Tails are pinned in hbm: it must hold at least one whole page.
   if (hbm_bytes != 0 && hbm_bytes < geometry.page_bytes())
     return Status::InvalidArgument("hbm_bytes = " + std::to_string(hbm_bytes) + " holds no page of " +
                                    std::to_string(geometry.page_bytes()) + " bytes");
+  if (host_bytes != 0 && host_bytes < 2 * geometry.page_bytes())
+    return Status::InvalidArgument("host_bytes = " + std::to_string(host_bytes) + " holds fewer than two pages of " +
+                                   std::to_string(geometry.page_bytes()) + " bytes");
+  if (!(host_low_water > 0 && host_low_water <= host_high_water && host_high_water <= 1))
+    return Status::InvalidArgument("host water marks must satisfy 0 < low <= high <= 1");
+  if (!disk_dir.empty() && disk_bytes == 0)
+    return Status::InvalidArgument("a disk tier needs disk_bytes > 0");
+  if (io_queue_depth < 1 || io_queue_depth > 4096)
+    return Status::InvalidArgument(Field("io_queue_depth", io_queue_depth, "must be in 1..4096"));
   return Status::Ok();
 }
 

@@ -68,6 +68,18 @@ struct SelectionPolicy {
   Status Validate(const Geometry& g) const;
 };
 
+// What a decode step does when a selected page's home is on disk.
+enum class ColdMissPolicy : uint8_t {
+  kStrict,    // wait for the promotion: outputs equal the all-in-memory run
+  kDeadline,  // attend without the page this step, promote in the background
+};
+std::string_view ColdMissPolicyName(ColdMissPolicy p);
+Result<ColdMissPolicy> ParseColdMissPolicy(std::string_view s);
+
+enum class IoBackendKind : uint8_t { kAuto, kUring, kPread };
+std::string_view IoBackendKindName(IoBackendKind k);
+Result<IoBackendKind> ParseIoBackendKind(std::string_view s);
+
 // Everything a Runtime is built from.
 struct Config {
   Geometry geometry;
@@ -75,9 +87,23 @@ struct Config {
   // Bound on pages alive at once across all sequences and layers: sizes the
   // summary slab and the page-id space. Running out is ResourceExhausted.
   uint32_t max_pages = 1u << 16;
-  // Byte budget of the "hbm" arena (the CPU backend's bounded host arena).
-  // 0 means max_pages * page_bytes.
+
+  // Tier budgets (DESIGN.md §1). Summaries are always resident and not
+  // counted here. hbm: head-page slots for tail pages and cached sealed
+  // head-pages (the CPU backend's bounded host arena); 0 = room for every
+  // page. host: homes of sealed pages, whole pages rounded up to 4096 bytes;
+  // 0 = room for every page. Past host_high_water (fraction of host) the
+  // coldest pages are demoted to disk until host_low_water.
   std::size_t hbm_bytes = 0;
+  std::size_t host_bytes = 0;
+  double host_high_water = 0.90;
+  double host_low_water = 0.75;
+  // disk: page files in disk_dir (empty: no disk tier), at most disk_bytes.
+  std::string disk_dir;
+  uint64_t disk_bytes = 0;
+  IoBackendKind io_backend = IoBackendKind::kAuto;
+  int io_queue_depth = 64;
+  ColdMissPolicy cold_miss = ColdMissPolicy::kStrict;
 
   Status Validate() const;
 };

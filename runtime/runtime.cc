@@ -7,7 +7,11 @@
 #include <unordered_map>
 
 #include "kernels/cpu/kernels_cpu.h"
+#include "prefetch/tier_mover.h"
 #include "tiers/arena.h"
+#include "tiers/disk_tier.h"
+#include "tiers/hbm_cache.h"
+#include "tiers/io_backend.h"
 #include "tiers/page_allocator.h"
 #include "tiers/page_table.h"
 
@@ -15,30 +19,40 @@ namespace questkv {
 
 namespace {
 std::string SeqName(SeqId id) { return "sequence " + std::to_string(id); }
+constexpr std::size_t kIoAlignFloats = 1024;  // 4096 bytes
 }  // namespace
 
 struct Runtime::Impl {
   Config config;
   Geometry g;
   PageAllocator ids;
-  std::unique_ptr<SlotArena> hbm;         // page bytes, the CPU backend's "hbm"
   std::unique_ptr<SummarySlab> summaries;
-  std::vector<uint32_t> slot_of;          // [max_pages] PageId -> hbm slot
+  std::unique_ptr<HbmCache> hbm;    // tails (pinned) + cached head-pages
+  std::unique_ptr<SlotArena> host;  // homes of sealed pages
+  std::unique_ptr<DiskTier> disk;   // null without a disk tier
+  std::unique_ptr<TierMover> mover;
+  std::vector<uint8_t> homed;       // [max_pages] sealed and given a host home
+  std::vector<uint32_t> pending_seals;  // full pages whose seal waits for room
+  int64_t deferred_seals = 0;
+  int64_t step = 0;                 // advances once per decode call
   struct Sequence {
     std::vector<PageList> layers;
+    std::vector<uint32_t> partitions;  // hbm cache partition per layer
   };
   std::unordered_map<SeqId, Sequence> seqs;
   SeqId next_seq = 1;
   Selector selector;
-  // Decode scratch, reused across calls.
+  // Scratch, reused across calls.
   PageTableCsr csr;
   std::vector<const PageList*> lists;
+  std::vector<uint32_t> list_partitions;
   std::vector<kernels::HeadPageRef> refs;
-  std::vector<float> m, d;
+  std::vector<float> m, d, page_scratch;
+  int64_t attended = 0;  // tokens the last AttendRow read
 
-  Impl(const Config& c, std::unique_ptr<SlotArena> arena, std::unique_ptr<SummarySlab> slab)
-      : config(c), g(c.geometry), ids(c.max_pages), hbm(std::move(arena)), summaries(std::move(slab)),
-        slot_of(c.max_pages, UINT32_MAX), selector(c.geometry, c.policy) {}
+  explicit Impl(const Config& c)
+      : config(c), g(c.geometry), ids(c.max_pages), homed(c.max_pages, 0), selector(c.geometry, c.policy),
+        page_scratch(c.geometry.page_elems()) {}
 
   Result<Sequence*> Find(SeqId id) {
     auto it = seqs.find(id);
@@ -50,129 +64,251 @@ struct Runtime::Impl {
       return Status::OutOfRange("layer " + std::to_string(layer) + " is outside 0.." + std::to_string(g.layers - 1));
     return Status::Ok();
   }
+  std::size_t hp() const { return g.head_page_elems(); }
 
-  float* page(PageId id) { return hbm->data(slot_of[id]); }
-  const float* page(PageId id) const { return hbm->data(slot_of[id]); }
+  // ---- pages -----------------------------------------------------------------
 
-  // A fresh page with an empty summary box, or the error with nothing held.
-  Result<PageId> NewPage() {
+  // A fresh tail page: an id, pinned hbm slots for every head, an empty summary.
+  Result<PageId> NewTail(uint32_t partition) {
     QKV_ASSIGN_OR_RETURN(PageId id, ids.Allocate());
-    auto slot = hbm->Allocate();
-    if (!slot.ok()) {
-      ids.Unref(id);
-      return slot.status();
+    for (int h = 0; h < g.kv_heads; ++h) {
+      auto slot = hbm->Insert(id, h, partition, step, /*pinned=*/true);
+      if (!slot.ok()) {
+        hbm->Drop(id);
+        ids.Unref(id);
+        return slot.status();
+      }
     }
-    slot_of[id] = *slot;
     kernels::ResetSummaryCpu(summaries->page(id), g.kv_heads, g.head_dim);
     return id;
   }
   void Release(PageId id) {
     if (!ids.Unref(id)) return;
-    hbm->Free(slot_of[id]);
-    slot_of[id] = UINT32_MAX;
+    mover->Drop(id);
+    homed[id] = 0;
+    std::erase(pending_seals, id);
   }
   void ReleaseAll(const std::vector<PageId>& pages) {
     for (PageId id : pages) Release(id);
   }
-  // Allocates n fresh pages, all or none.
-  Result<std::vector<PageId>> NewPages(int64_t n) {
-    std::vector<PageId> out;
-    out.reserve(n);
-    for (int64_t i = 0; i < n; ++i) {
-      auto id = NewPage();
-      if (!id.ok()) {
-        ReleaseAll(out);
-        return id.status();
-      }
-      out.push_back(*id);
+  // Head h's K rows of a tail page (V rows follow at +S*D).
+  float* TailHead(PageId id, int h) { return hbm->data(hbm->Lookup(id, h)); }
+
+  // A new private tail holding the first `len` tokens of `src`.
+  Result<PageId> CopyToNewTail(PageId src, int len, uint32_t partition) {
+    QKV_RETURN_IF_ERROR(mover->ReadPage(src, ids.generation(src), page_scratch.data(), step));
+    QKV_ASSIGN_OR_RETURN(PageId dst, NewTail(partition));
+    const float* k_heads[kernels::kMaxKvHeads];
+    for (int h = 0; h < g.kv_heads; ++h) {
+      float* slot = TailHead(dst, h);
+      std::memcpy(slot, page_scratch.data() + h * hp(), hp() * sizeof(float));
+      std::memcpy(slot + hp(), page_scratch.data() + (g.kv_heads + h) * hp(), hp() * sizeof(float));
+      k_heads[h] = slot;
     }
-    return out;
-  }
-  // A private copy of `src` holding its first `len` tokens, summary rebuilt.
-  Result<PageId> CopyPage(PageId src, int len) {
-    QKV_ASSIGN_OR_RETURN(PageId dst, NewPage());
-    std::memcpy(page(dst), page(src), g.page_elems() * sizeof(float));
-    kernels::RebuildSummaryCpu(page(dst), summaries->page(dst), g.kv_heads, g.page_size, g.head_dim, len);
+    kernels::RebuildSummaryHeadsCpu(k_heads, summaries->page(dst), g.kv_heads, g.head_dim, len);
     return dst;
   }
 
-  void AppendToList(PageList& list, const float* k, const float* v, int64_t n, std::vector<PageId>& fresh) {
-    const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
-    list.pages.insert(list.pages.end(), fresh.begin(), fresh.end());
-    int64_t done = 0;
-    while (done < n) {
-      const int64_t pos = list.tokens + done;
-      const PageId id = list.pages[pos / g.page_size];
-      const int offset = int(pos % g.page_size);
-      const int take = int(std::min<int64_t>(n - done, g.page_size - offset));
-      kernels::AppendTokensCpu(page(id), summaries->page(id), g.kv_heads, g.page_size, g.head_dim, offset,
-                               k + done * row, v + done * row, take);
-      done += take;
+  // Gives a full page its host home; when host and disk are full the page
+  // stays pinned in hbm (still correct) and is retried later.
+  void Seal(PageId id) {
+    if (Status s = mover->Seal(id, ids.generation(id), step); s.ok()) {
+      homed[id] = 1;
+    } else {
+      ++deferred_seals;
+      pending_seals.push_back(id);
     }
-    list.tokens += n;
+  }
+  void RetryPendingSeals() {
+    std::vector<uint32_t> retry;
+    retry.swap(pending_seals);
+    for (uint32_t id : retry) Seal(id);
   }
 
-  kernels::HeadPageRef Ref(PageId id, int kv_head, int len) const {
-    const float* p = page(id);
-    return {p + std::size_t(kv_head) * g.head_page_elems(),
-            p + (std::size_t(g.kv_heads) + kv_head) * g.head_page_elems(), len};
+  // Writes n tokens into the list's pages, taking a fresh tail at each page
+  // boundary and sealing pages as they fill — except the page that was the
+  // tail when the call began, which is sealed only once everything else
+  // succeeded: on failure it is cut back to its old length in place and the
+  // pages this call made are released, so the list is as before.
+  Status AppendToList(PageList& list, uint32_t partition, const float* k, const float* v, int64_t n) {
+    const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+    const int64_t old_tokens = list.tokens;
+    const std::size_t old_pages = list.pages.size();
+    const PageId first = old_tokens % g.page_size ? list.pages.back() : kNoPage;
+    float* k_heads[kernels::kMaxKvHeads];
+    float* v_heads[kernels::kMaxKvHeads];
+    for (int64_t done = 0; done < n;) {
+      const int64_t pos = list.tokens;
+      if (pos % g.page_size == 0) {
+        auto id = NewTail(partition);
+        if (!id.ok()) {
+          UndoAppend(list, old_tokens, old_pages);
+          return id.status();
+        }
+        list.pages.push_back(*id);
+      }
+      const PageId id = list.pages.back();
+      const int offset = int(pos % g.page_size);
+      const int take = int(std::min<int64_t>(n - done, g.page_size - offset));
+      for (int h = 0; h < g.kv_heads; ++h) {
+        k_heads[h] = TailHead(id, h);
+        v_heads[h] = k_heads[h] + hp();
+      }
+      kernels::AppendTokensHeadsCpu(k_heads, v_heads, summaries->page(id), g.kv_heads, g.head_dim, offset,
+                                    k + done * row, v + done * row, take);
+      done += take;
+      list.tokens += take;
+      if (offset + take == g.page_size && id != first) Seal(id);
+    }
+    if (first != kNoPage && list.tokens >= (old_tokens / g.page_size + 1) * g.page_size) Seal(first);
+    return Status::Ok();
   }
+
+  void UndoAppend(PageList& list, int64_t old_tokens, std::size_t old_pages) {
+    for (std::size_t i = old_pages; i < list.pages.size(); ++i) Release(list.pages[i]);
+    list.pages.resize(old_pages);
+    list.tokens = old_tokens;
+    if (old_tokens % g.page_size == 0) return;
+    const PageId tail = list.pages.back();
+    const float* k_heads[kernels::kMaxKvHeads];
+    for (int h = 0; h < g.kv_heads; ++h) k_heads[h] = TailHead(tail, h);
+    kernels::RebuildSummaryHeadsCpu(k_heads, summaries->page(tail), g.kv_heads, g.head_dim,
+                                    int(old_tokens % g.page_size));
+  }
+
+  // ---- attention ---------------------------------------------------------------
 
   Status CheckBatch(std::span<const SeqId> seqs_in, int layer, const float* q, const float* out) {
     QKV_RETURN_IF_ERROR(CheckLayer(layer));
     if (seqs_in.empty()) return Status::InvalidArgument("empty batch");
     if (!q || !out) return Status::InvalidArgument("null query or output pointer");
     lists.clear();
+    list_partitions.clear();
     for (SeqId id : seqs_in) {
       QKV_ASSIGN_OR_RETURN(Sequence * s, Find(id));
       const PageList& list = s->layers[layer];
       if (list.tokens == 0)
         return Status::FailedPrecondition(SeqName(id) + " holds no token in layer " + std::to_string(layer));
       lists.push_back(&list);
+      list_partitions.push_back(s->partitions[layer]);
     }
     csr.Assign(lists, g.page_size);
     return Status::Ok();
   }
 
-  // Attends one (sequence, KV head) over the given logical pages.
-  void AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out) {
+  // Attends one (sequence, KV head) over the given logical pages, resolving
+  // each through the tiers. `strict` refuses skipped pages (dense path). When
+  // the host tier cannot take a page because earlier pages of the row are read
+  // in place from it, the row so far is attended, those pointers released,
+  // and the row continues: pages are merged in the same order, so the output
+  // is bit for bit the same as in one piece.
+  Status AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out, bool strict) {
     const uint32_t* pages = csr.pages(b);
     const int last = csr.num_pages(b) - 1;
-    refs.clear();
-    for (int i = 0; i < n; ++i) {
-      const int p = logical[i];
-      refs.push_back(Ref(pages[p], kv_head, p == last ? csr.last_page_len[b] : g.page_size));
-    }
     const int G = g.group();
+    const std::size_t qoff = (std::size_t(b) * g.q_heads + std::size_t(kv_head) * G) * g.head_dim;
+    const float scale = 1.f / std::sqrt(float(g.head_dim));
     m.resize(G);
     d.resize(G);
-    const std::size_t qoff = (std::size_t(b) * g.q_heads + std::size_t(kv_head) * G) * g.head_dim;
-    kernels::AttendPagesCpu(q + qoff, G, g.head_dim, refs.data(), n, 1.f / std::sqrt(float(g.head_dim)),
-                            out + qoff, m.data(), d.data());
+    kernels::AttendPagesCpu(q + qoff, G, g.head_dim, nullptr, 0, scale, out + qoff, m.data(), d.data());
+    refs.clear();
+    attended = 0;
+    auto flush = [&] {
+      kernels::AttendMorePagesCpu(q + qoff, G, g.head_dim, refs.data(), int(refs.size()), scale, out + qoff,
+                                  m.data(), d.data());
+      for (const kernels::HeadPageRef& r : refs) attended += r.len;
+      refs.clear();
+      mover->EndReads();
+    };
+    for (int i = 0; i < n; ++i) {
+      const int p = logical[i];
+      const PageId id = pages[p];
+      auto src = mover->Resolve(id, ids.generation(id), kv_head, list_partitions[b], step);
+      if (!src.ok() && src.status().code() == Code::kResourceExhausted && !refs.empty()) {
+        flush();
+        src = mover->Resolve(id, ids.generation(id), kv_head, list_partitions[b], step);
+      }
+      if (!src.ok()) {
+        mover->EndReads();
+        return src.status();
+      }
+      if (src->skipped && strict) return Status::Internal("dense attention cannot skip pages");
+      if (src->skipped) continue;
+      refs.push_back({src->k, src->v, p == last ? csr.last_page_len[b] : g.page_size});
+    }
+    flush();
+    return Status::Ok();
   }
+
+  // A decode call runs in a step of its own: what it selects is protected
+  // from eviction until it returns, and nothing else runs in that step.
+  Status BeginStep() {
+    ++step;
+    RetryPendingSeals();
+    return mover->Pump(step);
+  }
+  void EndStep() { ++step; }
 };
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Runtime::~Runtime() = default;
 
-Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config) {
+namespace {
+Result<std::unique_ptr<IoBackend>> MakeBackend(const Config& c) {
+  switch (c.io_backend) {
+    case IoBackendKind::kUring: return MakeUringBackend(c.io_queue_depth);
+    case IoBackendKind::kPread: return MakePreadPoolBackend(4, c.io_queue_depth);
+    case IoBackendKind::kAuto: break;
+  }
+  return MakeDefaultBackend(c.io_queue_depth);
+}
+}  // namespace
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::unique_ptr<IoBackend> io) {
   QKV_RETURN_IF_ERROR(config.Validate());
   if (config.geometry.dtype != DType::kF32)
     return Status::Unimplemented("the CPU backend stores K/V as f32; " +
                                  std::string(DTypeName(config.geometry.dtype)) + " needs the CUDA backend");
   const Geometry& g = config.geometry;
-  const std::size_t hbm_bytes = config.hbm_bytes ? config.hbm_bytes : std::size_t(config.max_pages) * g.page_bytes();
-  const uint32_t slots = uint32_t(std::min<std::size_t>(hbm_bytes / g.page_bytes(), config.max_pages));
-  QKV_ASSIGN_OR_RETURN(auto arena, SlotArena::Create(g.page_elems(), slots, "hbm arena"));
-  QKV_ASSIGN_OR_RETURN(auto slab, SummarySlab::Create(config.max_pages, g.kv_heads, g.head_dim));
-  return std::unique_ptr<Runtime>(new Runtime(std::make_unique<Impl>(config, std::move(arena), std::move(slab))));
+  auto impl = std::make_unique<Impl>(config);
+  QKV_ASSIGN_OR_RETURN(impl->summaries, SummarySlab::Create(config.max_pages, g.kv_heads, g.head_dim));
+
+  const std::size_t head_page_bytes = 2 * g.head_page_elems() * sizeof(float);
+  const uint64_t all_heads = uint64_t(config.max_pages) * g.kv_heads;
+  const uint64_t hbm_slots = config.hbm_bytes ? std::min<uint64_t>(config.hbm_bytes / head_page_bytes, all_heads) : all_heads;
+  QKV_ASSIGN_OR_RETURN(impl->hbm, HbmCache::Create(uint32_t(hbm_slots), 2 * g.head_page_elems(), config.max_pages, g.kv_heads));
+
+  const std::size_t host_slot_elems = (g.page_elems() + kIoAlignFloats - 1) / kIoAlignFloats * kIoAlignFloats;
+  const std::size_t host_slot_bytes = host_slot_elems * sizeof(float);
+  const uint64_t host_slots = config.host_bytes ? std::min<uint64_t>(config.host_bytes / host_slot_bytes, config.max_pages)
+                                                : config.max_pages;
+  if (host_slots < 2) return Status::InvalidArgument("host_bytes holds fewer than two 4096-aligned pages");
+  // Homes of sealed pages: pinned and mapped for the GPU when there is one,
+  // bound to the GPU's NUMA node (HostRegion).
+  QKV_ASSIGN_OR_RETURN(impl->host, SlotArena::Create(host_slot_elems, uint32_t(host_slots), "host",
+                                                     {.numa_node = -1, .pin_for_gpu = true}));
+
+  if (!config.disk_dir.empty()) {
+    if (!io) {
+      QKV_ASSIGN_OR_RETURN(io, MakeBackend(config));
+    }
+    DiskTierOptions opts{config.disk_dir, config.disk_bytes, g.page_bytes()};
+    QKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(opts, std::move(io)));
+    QKV_RETURN_IF_ERROR(impl->disk->RegisterRegion(impl->host->base(), impl->host->bytes()));
+  }
+  impl->mover = std::make_unique<TierMover>(g, config.cold_miss, config.host_high_water, config.host_low_water,
+                                            config.max_pages, impl->hbm.get(), impl->host.get(), impl->disk.get());
+  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 
 const Config& Runtime::config() const { return impl_->config; }
 
 Result<SeqId> Runtime::CreateSequence() {
-  const SeqId id = impl_->next_seq++;
-  impl_->seqs[id].layers.resize(impl_->g.layers);
+  Impl& I = *impl_;
+  const SeqId id = I.next_seq++;
+  Impl::Sequence& s = I.seqs[id];
+  s.layers.resize(I.g.layers);
+  for (int l = 0; l < I.g.layers; ++l) s.partitions.push_back(I.hbm->AddPartition());
   return id;
 }
 
@@ -184,48 +320,49 @@ Result<SeqId> Runtime::CreateFromPrefix(SeqId parent, int64_t pages) {
     if (p->layers[l].sealed_pages(I.g.page_size) < pages)
       return Status::OutOfRange(SeqName(parent) + " has " + std::to_string(p->layers[l].sealed_pages(I.g.page_size)) +
                                 " sealed pages in layer " + std::to_string(l) + ", fewer than " + std::to_string(pages));
-  Impl::Sequence child;
-  child.layers.resize(I.g.layers);
+  QKV_ASSIGN_OR_RETURN(SeqId id, CreateSequence());
+  Impl::Sequence& child = I.seqs[id];
+  const Impl::Sequence& src = I.seqs[parent];
   for (int l = 0; l < I.g.layers; ++l) {
     PageList& dst = child.layers[l];
-    dst.pages.assign(p->layers[l].pages.begin(), p->layers[l].pages.begin() + pages);
+    dst.pages.assign(src.layers[l].pages.begin(), src.layers[l].pages.begin() + pages);
     dst.tokens = pages * I.g.page_size;
-    for (PageId id : dst.pages) I.ids.Ref(id);
+    for (PageId pid : dst.pages) I.ids.Ref(pid);
   }
-  const SeqId id = I.next_seq++;
-  I.seqs.emplace(id, std::move(child));
   return id;
 }
 
 Result<SeqId> Runtime::Fork(SeqId parent) {
   Impl& I = *impl_;
-  QKV_ASSIGN_OR_RETURN(Impl::Sequence * p, I.Find(parent));
+  QKV_RETURN_IF_ERROR(I.Find(parent).status());
+  QKV_ASSIGN_OR_RETURN(SeqId id, CreateSequence());
+  Impl::Sequence& child = I.seqs[id];
+  const Impl::Sequence& p = I.seqs[parent];
   // Copy every partial tail first, so a failure leaves nothing behind.
   std::vector<PageId> tails(I.g.layers, kNoPage);
   for (int l = 0; l < I.g.layers; ++l) {
-    const PageList& src = p->layers[l];
+    const PageList& src = p.layers[l];
     if (src.tokens % I.g.page_size == 0) continue;
-    auto copy = I.CopyPage(src.pages.back(), src.last_page_len(I.g.page_size));
+    auto copy = I.CopyToNewTail(src.pages.back(), src.last_page_len(I.g.page_size), child.partitions[l]);
     if (!copy.ok()) {
       for (PageId t : tails)
         if (t != kNoPage) I.Release(t);
+      (void)Free(id);
       return copy.status();
     }
     tails[l] = *copy;
   }
-  Impl::Sequence child = *p;
   for (int l = 0; l < I.g.layers; ++l) {
     PageList& dst = child.layers[l];
-    for (PageId& id : dst.pages) {
-      if (&id == &dst.pages.back() && tails[l] != kNoPage) {
-        id = tails[l];
+    dst = p.layers[l];
+    for (PageId& pid : dst.pages) {
+      if (&pid == &dst.pages.back() && tails[l] != kNoPage) {
+        pid = tails[l];
       } else {
-        I.ids.Ref(id);
+        I.ids.Ref(pid);
       }
     }
   }
-  const SeqId id = I.next_seq++;
-  I.seqs.emplace(id, std::move(child));
   return id;
 }
 
@@ -238,16 +375,16 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     if (s->layers[l].tokens < tokens)
       return Status::OutOfRange("rollback by " + std::to_string(tokens) + " tokens, but " + SeqName(seq) + " holds " +
                                 std::to_string(s->layers[l].tokens) + " in layer " + std::to_string(l));
-  // A new tail that is still shared (sealed, referenced by a fork or prefix)
-  // must be copied before its summary is rebuilt: allocate those copies first.
+  // A new tail that is sealed (immutable, maybe shared, maybe not in hbm) is
+  // replaced by a private copy of its kept tokens: make those copies first.
   std::vector<PageId> copies(I.g.layers, kNoPage);
   for (int l = 0; l < I.g.layers; ++l) {
     const PageList& list = s->layers[l];
     const int64_t keep = list.tokens - tokens;
     if (keep % S == 0) continue;
     const PageId tail = list.pages[keep / S];
-    if (I.ids.refcount(tail) == 1) continue;
-    auto copy = I.CopyPage(tail, int(keep % S));
+    if (!I.homed[tail] && I.ids.refcount(tail) == 1) continue;  // still a pinned tail: edit in place
+    auto copy = I.CopyToNewTail(tail, int(keep % S), s->partitions[l]);
     if (!copy.ok()) {
       for (PageId c : copies)
         if (c != kNoPage) I.Release(c);
@@ -267,9 +404,12 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     if (copies[l] != kNoPage) {
       I.Release(tail);
       tail = copies[l];
-    } else {
-      kernels::RebuildSummaryCpu(I.page(tail), I.summaries->page(tail), I.g.kv_heads, S, I.g.head_dim, int(keep % S));
+      continue;
     }
+    std::erase(I.pending_seals, tail);  // a full page awaiting its seal is a tail again
+    const float* k_heads[kernels::kMaxKvHeads];
+    for (int h = 0; h < I.g.kv_heads; ++h) k_heads[h] = I.TailHead(tail, h);
+    kernels::RebuildSummaryHeadsCpu(k_heads, I.summaries->page(tail), I.g.kv_heads, I.g.head_dim, int(keep % S));
   }
   return Status::Ok();
 }
@@ -278,6 +418,7 @@ Status Runtime::Free(SeqId seq) {
   Impl& I = *impl_;
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
   for (PageList& list : s->layers) I.ReleaseAll(list.pages);
+  for (uint32_t part : s->partitions) I.hbm->RemovePartition(part);
   I.seqs.erase(seq);
   return Status::Ok();
 }
@@ -289,19 +430,21 @@ Status Runtime::Append(SeqId seq, int layer, const float* k, const float* v, int
   if (n < 1) return Status::InvalidArgument("append of " + std::to_string(n) + " tokens");
   if (!k || !v) return Status::InvalidArgument("null K or V pointer");
   PageList& list = s->layers[layer];
-  const int64_t S = I.g.page_size;
-  const int64_t need = (list.tokens + n + S - 1) / S - int64_t(list.pages.size());
-  QKV_ASSIGN_OR_RETURN(std::vector<PageId> fresh, I.NewPages(need));
-  // The page being filled is never shared: fork and rollback copy shared tails.
-  assert(list.tokens % S == 0 || I.ids.refcount(list.pages.back()) == 1);
-  I.AppendToList(list, k, v, n, fresh);
-  return Status::Ok();
+  // The page being filled is a private pinned tail: fork and rollback copy.
+  assert(list.tokens % I.g.page_size == 0 ||
+         (I.ids.refcount(list.pages.back()) == 1 && !I.homed[list.pages.back()]));
+  return I.AppendToList(list, s->partitions[layer], k, v, n);
 }
 
 Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
                                 std::vector<PageSelection>* selections, AttendStats* stats) {
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
+  QKV_RETURN_IF_ERROR(I.BeginStep());
+  struct End {
+    Impl& I;
+    ~End() { I.EndStep(); }
+  } end{I};
   const Geometry& g = I.g;
   if (selections) selections->resize(seqs.size());
   PageSelection local;
@@ -315,12 +458,11 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
     in.layer = layer;
     QKV_RETURN_IF_ERROR(I.selector.Select(in, &sel));
     for (int h = 0; h < g.kv_heads; ++h) {
-      I.AttendRow(b, h, sel.row(h), sel.count(h), q, out);
+      QKV_RETURN_IF_ERROR(I.AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
       if (stats) {
         stats->head_pages_selected += sel.count(h);
         stats->head_pages_total += in.num_pages;
-        for (int i = 0; i < sel.count(h); ++i)
-          stats->kv_bytes_read += int64_t(I.refs[i].len) * g.head_dim * 2 * int64_t(sizeof(float));
+        stats->kv_bytes_read += I.attended * g.head_dim * 2 * int64_t(sizeof(float));
       }
     }
     // The selector scores only when the budget is smaller than the page count.
@@ -332,11 +474,18 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
 Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out) {
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
+  QKV_RETURN_IF_ERROR(I.BeginStep());
+  struct End {
+    Impl& I;
+    ~End() { I.EndStep(); }
+  } end{I};
+  const ColdMissPolicy policy = I.config.cold_miss;
   std::vector<int32_t> all;
   for (int b = 0; b < I.csr.batch(); ++b) {
     all.resize(I.csr.num_pages(b));
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = int32_t(i);
-    for (int h = 0; h < I.g.kv_heads; ++h) I.AttendRow(b, h, all.data(), int(all.size()), q, out);
+    for (int h = 0; h < I.g.kv_heads; ++h)
+      QKV_RETURN_IF_ERROR(I.AttendRow(b, h, all.data(), int(all.size()), q, out, policy == ColdMissPolicy::kStrict));
   }
   return Status::Ok();
 }
@@ -366,13 +515,14 @@ Result<DenseView> Runtime::Gather(SeqId seq, int layer) const {
   const std::size_t T = std::size_t(list.tokens), D = g.head_dim;
   view.k.resize(std::size_t(g.kv_heads) * T * D);
   view.v.resize(view.k.size());
-  for (int h = 0; h < g.kv_heads; ++h) {
-    for (std::size_t p = 0; p < list.pages.size(); ++p) {
-      const int len = p + 1 == list.pages.size() ? list.last_page_len(g.page_size) : g.page_size;
-      const kernels::HeadPageRef r = I.Ref(list.pages[p], h, len);
+  for (std::size_t p = 0; p < list.pages.size(); ++p) {
+    const PageId id = list.pages[p];
+    QKV_RETURN_IF_ERROR(I.mover->ReadPage(id, I.ids.generation(id), I.page_scratch.data(), I.step));
+    const int len = p + 1 == list.pages.size() ? list.last_page_len(g.page_size) : g.page_size;
+    for (int h = 0; h < g.kv_heads; ++h) {
       const std::size_t dst = (std::size_t(h) * T + p * g.page_size) * D;
-      std::memcpy(view.k.data() + dst, r.k, len * D * sizeof(float));
-      std::memcpy(view.v.data() + dst, r.v, len * D * sizeof(float));
+      std::memcpy(view.k.data() + dst, I.page_scratch.data() + h * I.hp(), len * D * sizeof(float));
+      std::memcpy(view.v.data() + dst, I.page_scratch.data() + (g.kv_heads + h) * I.hp(), len * D * sizeof(float));
     }
   }
   return view;
@@ -398,6 +548,33 @@ Result<std::vector<float>> Runtime::Scores(SeqId seq, int layer, const float* q)
     kernels::ScorePagesCpu(q + std::size_t(h) * G * g.head_dim, G, g.head_dim, I.summaries->base(), g.kv_heads, h,
                            list.pages.data(), P, scores.data() + std::size_t(h) * G * P);
   return scores;
+}
+
+TierStats Runtime::tier_stats() const {
+  const Impl& I = *impl_;
+  const MoverStats& m = I.mover->stats();
+  const HbmStats& h = I.hbm->stats();
+  TierStats t;
+  t.host_to_hbm_bytes = m.bytes.host_to_hbm;
+  t.hbm_to_host_bytes = m.bytes.hbm_to_host;
+  t.host_to_disk_bytes = m.bytes.host_to_disk;
+  t.disk_to_host_bytes = m.bytes.disk_to_host;
+  t.hbm_hits = h.hits, t.hbm_misses = h.misses, t.hbm_evictions = h.evictions, t.hbm_bypasses = h.bypasses;
+  t.cold_misses = m.cold_misses, t.cold_stalls = m.cold_stalls, t.pages_skipped = m.pages_skipped;
+  t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops;
+  t.deferred_seals = I.deferred_seals;
+  t.io_errors = m.io_errors, t.corruptions = m.corruptions;
+  const uint64_t hs = I.hbm->slot_bytes(), ps = I.host->slot_bytes();
+  t.hbm_capacity_bytes = h.slots_capacity * hs, t.hbm_peak_bytes = h.slots_peak * hs, t.hbm_used_bytes = h.slots_used * hs;
+  t.host_capacity_bytes = m.host_slots_capacity * ps, t.host_peak_bytes = m.host_slots_peak * ps;
+  t.host_used_bytes = m.host_slots_used * ps;
+  if (I.disk) {
+    const DiskStats& d = I.disk->stats();
+    const uint64_t ds = I.disk->slot_bytes();
+    t.disk_capacity_bytes = d.slots_capacity * ds, t.disk_peak_bytes = d.slots_peak * ds, t.disk_used_bytes = d.slots_used * ds;
+  }
+  t.summary_bytes = uint64_t(I.ids.live_count()) * I.summaries->page_bytes();
+  return t;
 }
 
 uint32_t Runtime::live_pages() const { return impl_->ids.live_count(); }

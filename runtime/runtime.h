@@ -1,7 +1,9 @@
 // questkv::Runtime — the KV cache manager and decode-attention backend.
 //
-// A Runtime owns the page-id space, the summary slab, the "hbm" page arena
-// (on the CPU backend a bounded host arena) and the sequences. Sequences are
+// A Runtime owns the page-id space, the summary slab (always resident), the
+// three tiers — hbm (on the CPU backend a bounded host arena of head-page
+// slots: tails plus a cache), host (homes of sealed pages) and optionally
+// disk — and the sequences. Sequences are
 // named by SeqId. K/V enter per layer, token-major [n][Hkv][D]; decode
 // attention takes queries [B][Hq][D] for a batch of sequences at one layer and
 // writes outputs [B][Hq][D].
@@ -20,6 +22,7 @@
 #include "runtime/status.h"
 #include "selector/diagnostics.h"
 #include "selector/select.h"
+#include "tiers/io_backend.h"
 
 namespace questkv {
 
@@ -33,11 +36,27 @@ struct AttendStats {
   int64_t summary_bytes_read = 0;   // summary bytes the scoring read
 };
 
+// Tier state and traffic since creation.
+struct TierStats {
+  int64_t host_to_hbm_bytes = 0, hbm_to_host_bytes = 0, host_to_disk_bytes = 0, disk_to_host_bytes = 0;
+  int64_t hbm_hits = 0, hbm_misses = 0, hbm_evictions = 0, hbm_bypasses = 0;
+  int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0;
+  int64_t demotions = 0, promotions = 0, clean_drops = 0, deferred_seals = 0;
+  int64_t io_errors = 0, corruptions = 0;
+  uint64_t hbm_capacity_bytes = 0, hbm_peak_bytes = 0, hbm_used_bytes = 0;
+  uint64_t host_capacity_bytes = 0, host_peak_bytes = 0, host_used_bytes = 0;
+  uint64_t disk_capacity_bytes = 0, disk_peak_bytes = 0, disk_used_bytes = 0;
+  uint64_t summary_bytes = 0;  // resident summaries of live pages
+};
+
+
 class Runtime {
  public:
   // InvalidArgument when the config does not validate; ResourceExhausted when
   // the arena cannot be allocated.
-  static Result<std::unique_ptr<Runtime>> Create(const Config& config);
+  // `io`, when given, is the disk tier's I/O backend (tests inject the
+  // in-memory and fault-injecting ones); otherwise config.io_backend picks.
+  static Result<std::unique_ptr<Runtime>> Create(const Config& config, std::unique_ptr<IoBackend> io = nullptr);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -85,6 +104,8 @@ class Runtime {
   Result<std::vector<float>> Summary(uint32_t page_id) const;
   // Scores U_p(q) [Hq][num_pages] for one sequence at one layer, q [Hq][D].
   Result<std::vector<float>> Scores(SeqId seq, int layer, const float* q) const;
+
+  TierStats tier_stats() const;
 
   // Pages alive / arena slots in use (leak checks).
   uint32_t live_pages() const;

@@ -386,14 +386,23 @@ TEST_F(RuntimeTest, RunningOutOfPagesIsAtomic) {
   EXPECT_EQ(rt_->live_pages(), 0u);
 }
 
-TEST_F(RuntimeTest, ArenaBudgetBoundsPages) {
+TEST_F(RuntimeTest, HbmBudgetBoundsCacheButNotContext) {
   Geometry geo = Geo(4, 4, 2, 16, 1);
   Make(geo, Policy(16, 1, 1), 100, 3 * geo.page_bytes());
   SeqId a = NewSeq();
-  AppendRandom(a, 12);
+  AppendRandom(a, 90);  // 23 pages through an hbm of 3: sealed pages leave for host
+  EXPECT_LE(rt_->tier_stats().hbm_peak_bytes, rt_->tier_stats().hbm_capacity_bytes);
+  EXPECT_GT(rt_->tier_stats().hbm_to_host_bytes, 0);
+  ExpectSummaries(a, 0);
+  ExpectAttention(a, 0);
+  // Three tails (one per sequence) fill the hbm; a fourth cannot be pinned.
+  SeqId b = NewSeq(), c = NewSeq();
+  AppendRandom(b, 1);
+  AppendRandom(c, 1);
+  SeqId d = NewSeq();
   std::vector<float> k(row(), 1.f);
-  EXPECT_EQ(rt_->Append(a, 0, k.data(), k.data(), 1).code(), Code::kResourceExhausted);
-  EXPECT_EQ(rt_->live_pages(), 3u);
+  EXPECT_EQ(rt_->Append(d, 0, k.data(), k.data(), 1).code(), Code::kResourceExhausted);
+  EXPECT_EQ(*rt_->Length(d, 0), 0);
   ExpectAttention(a, 0);
 }
 
