@@ -17,6 +17,8 @@ constexpr const char* kUsage =
     "policy:    --token-budget 1024 --sink-pages 1 --local-pages 8 --gqa max|mean|union [max]\n"
     "           --dense-layers 0,1 (or 'none') --layer-budgets B0,B1,... (-1 = --token-budget)\n"
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
+    "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
+    "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
     "report:    --recall-every 8 (0: no recall) --top-r 16 --json --no-progress\n";
 
 Result<RunOptions> ParseRunOptions(const Flags& f) {
@@ -60,6 +62,18 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   o.config.max_pages = uint32_t(max_pages);
   QKV_ASSIGN_OR_RETURN(uint64_t hbm, f.Bytes("hbm-bytes", 0));
   o.config.hbm_bytes = hbm;
+  QKV_ASSIGN_OR_RETURN(uint64_t host, f.Bytes("host-bytes", 0));
+  o.config.host_bytes = host;
+  QKV_ASSIGN_OR_RETURN(o.config.disk_dir, f.String("disk-dir", ""));
+  QKV_ASSIGN_OR_RETURN(o.config.disk_bytes, f.Bytes("disk-bytes", 0));
+  if (!o.config.disk_dir.empty() && o.config.disk_bytes == 0)
+    return Status::InvalidArgument("--disk-dir needs --disk-bytes");
+  QKV_ASSIGN_OR_RETURN(std::string io, f.String("io-backend", "auto"));
+  QKV_ASSIGN_OR_RETURN(o.config.io_backend, ParseIoBackendKind(io));
+  QKV_ASSIGN_OR_RETURN(int64_t qd, f.Int("io-queue-depth", o.config.io_queue_depth, 1, 4096));
+  o.config.io_queue_depth = int(qd);
+  QKV_ASSIGN_OR_RETURN(std::string cold, f.String("cold-miss", "strict"));
+  QKV_ASSIGN_OR_RETURN(o.config.cold_miss, ParseColdMissPolicy(cold));
 
   QKV_ASSIGN_OR_RETURN(int64_t every, f.Int("recall-every", o.recall_every, 0, INT32_MAX));
   QKV_ASSIGN_OR_RETURN(int64_t top_r, f.Int("top-r", o.top_r, 1, 1 << 20));
@@ -74,7 +88,8 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
 int RunMain(int argc, char** argv) {
   Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
-               "max-pages", "hbm-bytes", "recall-every", "top-r"},
+               "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
+               "cold-miss", "recall-every", "top-r"},
               {"json", "no-progress", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);

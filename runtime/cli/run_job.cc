@@ -81,6 +81,16 @@ Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
   return Status::Ok();
 }
 
+RunReport::Links LinksOf(const TierStats& t) {
+  return {t.host_to_hbm_bytes, t.hbm_to_host_bytes, t.host_to_disk_bytes, t.disk_to_host_bytes};
+}
+void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunReport::Links& before) {
+  acc.host_to_hbm += after.host_to_hbm - before.host_to_hbm;
+  acc.hbm_to_host += after.hbm_to_host - before.hbm_to_host;
+  acc.host_to_disk += after.host_to_disk - before.host_to_disk;
+  acc.disk_to_host += after.disk_to_host - before.disk_to_host;
+}
+
 // Recall, mass recall, error, slack and exact-search cost of one (step, layer).
 Status DiagnoseLayer(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q,
                      const float* out, const std::vector<PageSelection>& sels, RunReport& r) {
@@ -134,8 +144,11 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
         const int64_t pages = (len + g.page_size - 1) / g.page_size;
         r.dense_offload_bytes += pages * int64_t(g.page_bytes());
       }
-      if (diagnose && !o.config.policy.is_dense(layer))
+      if (diagnose && !o.config.policy.is_dense(layer)) {
+        const RunReport::Links before = LinksOf(rt.tier_stats());
         QKV_RETURN_IF_ERROR(DiagnoseLayer(rt, o, batch, layer, q.data(), out.data(), sels, r));
+        AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
+      }
     }
     step_us.push_back(step_seconds * 1e6);
     r.pages_peak = std::max(r.pages_peak, rt.live_pages());
@@ -173,7 +186,12 @@ Result<RunReport> RunJob(const RunOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   QKV_RETURN_IF_ERROR(Prefill(*rt, o, batch));
   r.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const RunReport::Links after_prefill = LinksOf(rt->tier_stats());
+  r.bytes_moved_prefill = after_prefill;
   QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r));
+  r.tiers = rt->tier_stats();
+  AddDiff(r.bytes_moved, LinksOf(r.tiers), after_prefill);
+  AddDiff(r.bytes_moved, RunReport::Links{}, r.bytes_moved_diagnostics);
   r.dense_kv_bytes = r.head_pages_total * int64_t(o.config.geometry.head_page_elems()) * 2 * int64_t(sizeof(float));
   for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
   if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
@@ -193,43 +211,85 @@ std::string Mib(int64_t bytes) {
 }
 }  // namespace
 
+namespace {
+template <typename... Args>
+void Line(std::string& out, const char* fmt, Args... args) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  out += buf;
+}
+double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
+int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
+}  // namespace
+
 std::string FormatReport(const RunReport& r) {
   const RunOptions& o = r.options;
   const SelectionPolicy& p = o.config.policy;
-  char buf[4096];
-  std::string dense;
+  const TierStats& t = r.tiers;
+  std::string dense, out;
   for (int l : p.dense_layers) dense += (dense.empty() ? "" : ",") + std::to_string(l);
-  const double traffic = r.dense_kv_bytes ? double(r.kv_bytes_read + r.summary_bytes_read) / r.dense_kv_bytes : 0;
-  std::snprintf(
-      buf, sizeof buf,
-      "questkv run — cpu backend\n"
-      "  machine            %s\n"
-      "  geometry           %s\n"
-      "  workload           %s, seed %llu, batch %d, context %lld tokens, %lld decode steps\n"
-      "  policy             budget %lld tokens, sink %d + local %d pages, gqa %s, dense layers [%s]\n"
-      "  prefill            %.2f s\n"
-      "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n"
-      "  head-pages read    %lld of %lld (%.1f%%)\n"
-      "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n"
-      "  dense offload      %s (every page of every layer over the host link each step)\n"
-      "  bytes moved        host->hbm %lld, hbm->host %lld, host->disk %lld, disk->host %lld (tiers: not yet)\n"
-      "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e\n"
-      "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n"
-      "  output digest      %s\n",
-      r.topology.c_str(), o.config.geometry.ToString().c_str(), std::string(WorkloadKindName(o.workload)).c_str(),
-      static_cast<unsigned long long>(o.seed), o.batch, static_cast<long long>(o.context_tokens),
-      static_cast<long long>(o.decode_steps), static_cast<long long>(p.token_budget), p.sink_pages, p.local_pages,
-      std::string(GqaModeName(p.gqa)).c_str(), dense.c_str(), r.prefill_seconds, r.step_latency_us.p50,
-      r.step_latency_us.p99, o.config.geometry.layers, static_cast<long long>(r.head_pages_selected),
-      static_cast<long long>(r.head_pages_total),
-      r.head_pages_total ? 100.0 * r.head_pages_selected / r.head_pages_total : 0.0, Mib(r.kv_bytes_read).c_str(),
-      Mib(r.summary_bytes_read).c_str(), 100 * traffic, Mib(r.dense_kv_bytes).c_str(),
-      Mib(r.dense_offload_bytes).c_str(), static_cast<long long>(r.bytes_moved.host_to_hbm),
-      static_cast<long long>(r.bytes_moved.hbm_to_host), static_cast<long long>(r.bytes_moved.host_to_disk),
-      static_cast<long long>(r.bytes_moved.disk_to_host), r.diagnosed, r.page_recall, r.attention_mass_recall,
-      r.output_rel_error, r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r, Hex(r.output_digest).c_str());
-  return buf;
+  const long long steps = static_cast<long long>(o.decode_steps);
+  Line(out, "questkv run — cpu backend\n");
+  Line(out, "  machine            %s\n", r.topology.c_str());
+  Line(out, "  geometry           %s\n", o.config.geometry.ToString().c_str());
+  Line(out, "  workload           %s, seed %llu, batch %d, context %lld tokens, %lld decode steps\n",
+       std::string(WorkloadKindName(o.workload)).c_str(), static_cast<unsigned long long>(o.seed), o.batch,
+       static_cast<long long>(o.context_tokens), steps);
+  Line(out, "  policy             budget %lld tokens, sink %d + local %d pages, gqa %s, dense layers [%s]\n",
+       static_cast<long long>(p.token_budget), p.sink_pages, p.local_pages, std::string(GqaModeName(p.gqa)).c_str(),
+       dense.c_str());
+  Line(out, "  tiers              hbm %s (peak %s), host %s (peak %s), disk %s (peak %s), summaries %s; cold miss %s\n",
+       Mib(int64_t(t.hbm_capacity_bytes)).c_str(), Mib(int64_t(t.hbm_peak_bytes)).c_str(),
+       Mib(int64_t(t.host_capacity_bytes)).c_str(), Mib(int64_t(t.host_peak_bytes)).c_str(),
+       Mib(int64_t(t.disk_capacity_bytes)).c_str(), Mib(int64_t(t.disk_peak_bytes)).c_str(),
+       Mib(int64_t(t.summary_bytes)).c_str(), std::string(ColdMissPolicyName(o.config.cold_miss)).c_str());
+  Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
+  Line(out, "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n", r.step_latency_us.p50,
+       r.step_latency_us.p99, o.config.geometry.layers);
+  Line(out, "  head-pages read    %lld of %lld (%.1f%%)\n", static_cast<long long>(r.head_pages_selected),
+       static_cast<long long>(r.head_pages_total), Pct(r.head_pages_selected, r.head_pages_total));
+  Line(out, "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n", Mib(r.kv_bytes_read).c_str(),
+       Mib(r.summary_bytes_read).c_str(), Pct(r.kv_bytes_read + r.summary_bytes_read, r.dense_kv_bytes),
+       Mib(r.dense_kv_bytes).c_str());
+  const RunReport::Links& m = r.bytes_moved;
+  Line(out, "  bytes moved        host->hbm %s, hbm->host %s, host->disk %s, disk->host %s (decode steps)\n",
+       Mib(m.host_to_hbm).c_str(), Mib(m.hbm_to_host).c_str(), Mib(m.host_to_disk).c_str(), Mib(m.disk_to_host).c_str());
+  Line(out, "  host link          %s against dense offload %s: %.2f%% (%.1f%% saved)\n", Mib(HostLinkBytes(m)).c_str(),
+       Mib(r.dense_offload_bytes).c_str(), Pct(HostLinkBytes(m), r.dense_offload_bytes),
+       100.0 - Pct(HostLinkBytes(m), r.dense_offload_bytes));
+  Line(out, "  hbm cache          hits %lld, misses %lld (%.1f%% hit), evictions %lld, read in place %lld\n",
+       static_cast<long long>(t.hbm_hits), static_cast<long long>(t.hbm_misses), Pct(t.hbm_hits, t.hbm_hits + t.hbm_misses),
+       static_cast<long long>(t.hbm_evictions), static_cast<long long>(t.hbm_bypasses));
+  Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld, "
+       "I/O errors %lld, corruptions %lld\n",
+       static_cast<long long>(t.cold_misses), static_cast<long long>(t.cold_stalls),
+       static_cast<long long>(t.pages_skipped), static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+       static_cast<long long>(t.io_errors), static_cast<long long>(t.corruptions));
+  if (r.diagnosed == 0) {
+    Line(out, "  recall             not sampled (--recall-every 0, or every layer dense)\n");
+  } else {
+    Line(out, "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e\n", r.diagnosed,
+         r.page_recall, r.attention_mass_recall, r.output_rel_error);
+    Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
+         r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
+  }
+  Line(out, "  output digest      %s\n", Hex(r.output_digest).c_str());
+  return out;
 }
+
+namespace {
+void LinksJson(JsonWriter& j, std::string_view key, const RunReport::Links& l) {
+  j.BeginObject(key)
+      .Field("host_to_hbm", l.host_to_hbm)
+      .Field("hbm_to_host", l.hbm_to_host)
+      .Field("host_to_disk", l.host_to_disk)
+      .Field("disk_to_host", l.disk_to_host)
+      .EndObject();
+}
+void TierJson(JsonWriter& j, std::string_view key, uint64_t capacity, uint64_t peak, uint64_t used) {
+  j.BeginObject(key).Field("capacity_bytes", capacity).Field("peak_bytes", peak).Field("used_bytes", used).EndObject();
+}
+}  // namespace
 
 std::string ReportJson(const RunReport& r) {
   const RunOptions& o = r.options;
@@ -253,13 +313,39 @@ std::string ReportJson(const RunReport& r) {
   j.BeginArray("dense_layers");
   for (int l : p.dense_layers) j.Value(l);
   j.EndArray();
-  j.BeginObject("bytes_moved")
-      .Field("host_to_hbm", r.bytes_moved.host_to_hbm)
-      .Field("hbm_to_host", r.bytes_moved.hbm_to_host)
-      .Field("host_to_disk", r.bytes_moved.host_to_disk)
-      .Field("disk_to_host", r.bytes_moved.disk_to_host)
-      .EndObject();
+  LinksJson(j, "bytes_moved", r.bytes_moved);
+  LinksJson(j, "bytes_moved_prefill", r.bytes_moved_prefill);
+  LinksJson(j, "bytes_moved_diagnostics", r.bytes_moved_diagnostics);
   j.Field("dense_offload_bytes", r.dense_offload_bytes);
+  const int64_t link = HostLinkBytes(r.bytes_moved);
+  j.Field("host_link_bytes", link);
+  j.Field("pcie_saved", r.dense_offload_bytes ? 1.0 - double(link) / double(r.dense_offload_bytes) : 0.0);
+  const TierStats& t = r.tiers;
+  j.Field("cold_miss", ColdMissPolicyName(r.options.config.cold_miss));
+  j.BeginObject("tiers");
+  TierJson(j, "hbm", t.hbm_capacity_bytes, t.hbm_peak_bytes, t.hbm_used_bytes);
+  TierJson(j, "host", t.host_capacity_bytes, t.host_peak_bytes, t.host_used_bytes);
+  TierJson(j, "disk", t.disk_capacity_bytes, t.disk_peak_bytes, t.disk_used_bytes);
+  j.Field("summary_bytes", t.summary_bytes);
+  j.EndObject();
+  j.BeginObject("hbm_cache")
+      .Field("hits", t.hbm_hits)
+      .Field("misses", t.hbm_misses)
+      .Field("hit_rate", t.hbm_hits + t.hbm_misses ? double(t.hbm_hits) / double(t.hbm_hits + t.hbm_misses) : 0.0)
+      .Field("evictions", t.hbm_evictions)
+      .Field("read_in_place", t.hbm_bypasses)
+      .EndObject();
+  j.BeginObject("disk_events")
+      .Field("cold_misses", t.cold_misses)
+      .Field("cold_stalls", t.cold_stalls)
+      .Field("pages_skipped", t.pages_skipped)
+      .Field("demotions", t.demotions)
+      .Field("promotions", t.promotions)
+      .Field("clean_drops", t.clean_drops)
+      .Field("deferred_seals", t.deferred_seals)
+      .Field("io_errors", t.io_errors)
+      .Field("corruptions", t.corruptions)
+      .EndObject();
   j.Field("kv_bytes_read", r.kv_bytes_read).Field("summary_bytes_read", r.summary_bytes_read);
   j.Field("dense_kv_bytes", r.dense_kv_bytes);
   j.Field("head_pages_selected", r.head_pages_selected).Field("head_pages_total", r.head_pages_total);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/config.h"
+#include "runtime/runtime.h"
 #include "runtime/status.h"
 #include "runtime/workload.h"
 
@@ -46,7 +47,11 @@ struct RunReport {
   int64_t dense_offload_bytes = 0;
   struct Links {
     int64_t host_to_hbm = 0, hbm_to_host = 0, host_to_disk = 0, disk_to_host = 0;
-  } bytes_moved;                   // zero until the tiers exist
+  };
+  Links bytes_moved;               // decode steps, diagnostics' own reads excluded
+  Links bytes_moved_prefill;
+  Links bytes_moved_diagnostics;   // what the recall diagnostics pulled in
+  TierStats tiers;                 // at the end of the run
   uint32_t pages_peak = 0;
   // Means over sampled steps, sparse layers and sequences.
   int diagnosed = 0;               // (step, layer, sequence) triples diagnosed
