@@ -72,6 +72,35 @@ TEST(RunJob, DigestDependsOnlyOnWhatIsComputed) {
   EXPECT_NE(ra->output_digest, rd->output_digest);
 }
 
+TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
+  RunOptions a = Small();
+  RunOptions b = Small();
+  const Geometry& g = b.config.geometry;
+  // KV cache: 2 sequences x 3 layers x ~126 pages. hbm 5%, host 5%, rest on disk.
+  const std::size_t kv_bytes = std::size_t(b.config.max_pages) * g.page_bytes();
+  b.config.hbm_bytes = kv_bytes / 20;
+  b.config.host_bytes = kv_bytes / 20;
+  b.config.disk_dir = ::testing::TempDir();
+  b.config.disk_bytes = 2 * kv_bytes;
+  b.config.io_backend = IoBackendKind::kPread;
+  auto ra = RunJob(a), rb = RunJob(b);
+  ASSERT_TRUE(ra.ok()) << ra.status().ToString();
+  ASSERT_TRUE(rb.ok()) << rb.status().ToString();
+  EXPECT_EQ(ra->output_digest, rb->output_digest);
+  EXPECT_GT(rb->bytes_moved.host_to_hbm, 0);
+  EXPECT_GT(rb->bytes_moved.disk_to_host, 0);
+  EXPECT_GT(rb->bytes_moved_prefill.host_to_disk, 0);
+  EXPECT_GT(rb->tiers.cold_stalls, 0);
+  EXPECT_LE(rb->tiers.hbm_peak_bytes, rb->tiers.hbm_capacity_bytes);
+  EXPECT_LE(rb->tiers.host_peak_bytes, rb->tiers.host_capacity_bytes);
+  // Deadline: runs to completion, skips instead of stalling.
+  b.config.cold_miss = ColdMissPolicy::kDeadline;
+  auto rc = RunJob(b);
+  ASSERT_TRUE(rc.ok()) << rc.status().ToString();
+  EXPECT_EQ(rc->tiers.cold_stalls, 0);
+  EXPECT_GT(rc->tiers.pages_skipped, 0);
+}
+
 TEST(RunJob, FullBudgetRecallsEverything) {
   RunOptions o = Small();
   o.config.policy.token_budget = 1 << 20;
