@@ -1,7 +1,7 @@
 // Select on the device, in two launches:
 //  1. ScoreKernel: U_p(q) for every (page, KV head) of every scored sequence,
-//     8 lanes per head-page, lane l summing dimensions j ≡ l (mod 8) and the
-//     lanes then added in order: the CPU twin's (score_cpu.cc) float
+//     one thread per head-page keeping 8 partial sums (dimensions j ≡ l mod 8)
+//     added in order at the end: the CPU twin's (score_cpu.cc) float
 //     arithmetic and summation order, so scores match it bit for bit. The G
 //     query heads of a group share each summary read; kMax/kMean aggregate
 //     in place (std::max / sequential sum then divide, as select.cc does).
@@ -24,7 +24,7 @@ namespace {
 
 constexpr int kTopKThreads = 1024;
 constexpr int kScoreThreads = 256;
-constexpr int kMaxKeyCache = 40960;  // 160 KiB of keys in shared memory
+constexpr int kMaxKeyCache = 47616;  // 192 KiB of keys (with padding) in shared memory
 
 // Per-sequence policy numbers, as select.cc computes them.
 struct RowPolicy {
@@ -64,8 +64,12 @@ __device__ inline int SeqOf(const int32_t* indptr, int batch, long long p) {
   return lo;
 }
 
+// Narrow groups (G <= 2): 8 lanes per head-page, lane l summing dimensions
+// j ≡ l (mod 8), lanes then added in order; consecutive lanes read
+// consecutive elements, which measured faster than a thread per page when
+// there is little arithmetic per byte.
 template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, float* scores) {
+__global__ void __launch_bounds__(kScoreThreads) ScoreKernelLanes(SelectParams p, float* scores) {
   const SelectShape& s = p.shape;
   const int Hkv = s.kv_heads;
   const long long items = (long long)p.page_indptr[s.batch] * Hkv;
@@ -75,8 +79,6 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, flo
   const long long warps = (gridDim.x * (long long)blockDim.x) >> 5;
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
-  constexpr int A = 1;  // placeholder to keep the layout formula readable
-  (void)A;
   for (long long base = warp * 4; base < items; base += warps * 4) {
     const long long item = base + (lane >> 3);
     bool valid = item < items;
@@ -136,6 +138,91 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, flo
   }
 }
 
+// Chunk c of 8 elements of a row of T, as floats (one or two 16-byte loads).
+template <typename T>
+__device__ __forceinline__ void Load8(const T* row, int c, float* out) {
+#pragma unroll
+  for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
+}
+
+// One thread per (sequence, KV head, page), pages fastest so a warp shares
+// its queries; the thread walks the summary in 16-byte chunks of 8
+// dimensions, which are exactly one element of each of the CPU's 8 partial
+// sums, so acc[g][l] sees the CPU's sequence of additions.
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, float* scores) {
+  const SelectShape& s = p.shape;
+  const int Hkv = s.kv_heads;
+  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const SumT* slab = static_cast<const SumT*>(p.summaries);
+  for (long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x; item < items;
+       item += (long long)gridDim.x * blockDim.x) {
+    // item = page_indptr[b] * Hkv + h * n + i: also the kMax/kMean output offset.
+    int lo_b = 0, hi_b = s.batch;
+    while (hi_b - lo_b > 1) {
+      const int mid = (lo_b + hi_b) / 2;
+      if ((long long)p.page_indptr[mid] * Hkv <= item) lo_b = mid; else hi_b = mid;
+    }
+    const int b = lo_b;
+    const int first = p.page_indptr[b];
+    const int n = p.page_indptr[b + 1] - first;
+    if (PolicyFor(s, n).all) continue;
+    const long long rem = item - (long long)first * Hkv;
+    const int h = int(rem / n);
+    const int i = int(rem % n);
+    const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
+    const SumT* hi = lo + D;
+    const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
+    float acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+#pragma unroll 2
+    for (int c = 0; c < D / 8; ++c) {
+      float mn[8], mx[8];
+      Load8(lo, c, mn);
+      Load8(hi, c, mx);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float qv[8];
+        Load8(q + g * D, c, qv);
+#pragma unroll
+        for (int l = 0; l < 8; ++l) {
+          const float a = __fmul_rn(qv[l], mn[l]);
+          const float e = __fmul_rn(qv[l], mx[l]);
+          acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
+        }
+      }
+    }
+    float score[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+#pragma unroll
+      for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[g][l]);
+      score[g] = sum;
+    }
+    if (s.gqa == GqaAgg::kUnion) {
+      float* row = scores + (std::size_t)first * Hkv * G + (std::size_t)h * G * n;
+#pragma unroll
+      for (int g = 0; g < G; ++g) row[(std::size_t)g * n + i] = score[g];
+    } else {
+      float agg = score[0];
+      if (s.gqa == GqaAgg::kMax) {
+#pragma unroll
+        for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
+      } else {
+#pragma unroll
+        for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
+        agg = __fdiv_rn(agg, float(G));
+      }
+      scores[item] = agg;
+    }
+  }
+}
+
 using BlockScan = cub::BlockScan<int, kTopKThreads>;
 
 struct TopKShared {
@@ -145,11 +232,15 @@ struct TopKShared {
   typename BlockScan::TempStorage scan;
 };
 
+// One padding word per 32 keys: OrderedPass's threads read kItems
+// consecutive keys each, which would otherwise hit one bank 16 ways.
+__device__ __forceinline__ int CacheSlot(int i) { return i + (i >> 5); }
+
 // Key of candidate i (cache in shared memory when the row fits).
 struct Keys {
   const float* scores;
   const uint32_t* cache;  // null: recompute from scores
-  __device__ uint32_t operator()(int i) const { return cache ? cache[i] : Key(scores[i]); }
+  __device__ uint32_t operator()(int i) const { return cache ? cache[CacheSlot(i)] : Key(scores[i]); }
 };
 
 // The k-th largest key among non-skipped candidates (*kth) and how many keys
@@ -164,10 +255,17 @@ __device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, u
     const uint32_t mask = masks[level];
     for (int b = threadIdx.x; b < 2048; b += blockDim.x) sh.hist[b] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < r.n; i += blockDim.x) {
-      if (Skipped(r, i)) continue;
-      const uint32_t key = keys(i);
-      if ((key & high_mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & mask], 1u);
+    // Scores cluster in few top-digit buckets: aggregate a warp's equal
+    // buckets into one atomic instead of up to 32 serialised ones.
+    for (int base = 0; base < r.n; base += blockDim.x) {
+      const int i = base + threadIdx.x;
+      uint32_t bin = 0xFFFFFFFFu;
+      if (i < r.n && !Skipped(r, i)) {
+        const uint32_t key = keys(i);
+        if ((key & high_mask) == prefix) bin = (key >> shift) & mask;
+      }
+      const unsigned same = __match_any_sync(0xFFFFFFFFu, bin);
+      if (bin != 0xFFFFFFFFu && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&sh.hist[bin], __popc(same));
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -201,23 +299,37 @@ __device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, u
   *ties = rank;
 }
 
-// Visits i in [0, n) in index order, chunk by chunk; emit(i, pos) for each
-// i with take(i, eq_rank) true, pos counting the taken ones. eq(i) marks the
+// Visits i in [0, n) in index order, kItems consecutive indices per thread
+// (two block scans per kItems * blockDim indices); emit(i, pos) for each i
+// with take(i, eq_rank) true, pos counting the taken ones. eq(i) marks the
 // keys equal to the k-th, eq_rank counts them before i.
+constexpr int kItems = 16;
 template <typename Take, typename Eq, typename Emit>
 __device__ int OrderedPass(int n, TopKShared& sh, Eq eq, Take take, Emit emit) {
   int eq_base = 0, out_base = 0;
-  for (int c = 0; c < n; c += blockDim.x) {
-    const int i = c + threadIdx.x;
-    const int e = i < n && eq(i) ? 1 : 0;
+  for (int c = 0; c < n; c += blockDim.x * kItems) {
+    const int i0 = c + threadIdx.x * kItems;
+    int e_local = 0;
+#pragma unroll
+    for (int t = 0; t < kItems; ++t) e_local += i0 + t < n && eq(i0 + t) ? 1 : 0;
     int e_rank, e_total;
-    BlockScan(sh.scan).ExclusiveSum(e, e_rank, e_total);
+    BlockScan(sh.scan).ExclusiveSum(e_local, e_rank, e_total);
     __syncthreads();
-    const int t = i < n && take(i, eq_base + e_rank) ? 1 : 0;
+    uint32_t taken = 0;
+    int t_local = 0, e_seen = eq_base + e_rank;
+#pragma unroll
+    for (int t = 0; t < kItems; ++t) {
+      const int i = i0 + t;
+      if (i >= n) break;
+      if (take(i, e_seen)) taken |= 1u << t, ++t_local;
+      e_seen += eq(i) ? 1 : 0;
+    }
     int pos, t_total;
-    BlockScan(sh.scan).ExclusiveSum(t, pos, t_total);
+    BlockScan(sh.scan).ExclusiveSum(t_local, pos, t_total);
     __syncthreads();
-    if (t) emit(i, out_base + pos);
+#pragma unroll
+    for (int t = 0; t < kItems; ++t)
+      if (taken >> t & 1u) emit(i0 + t, out_base + pos++);
     eq_base += e_total;
     out_base += t_total;
   }
@@ -255,7 +367,7 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
     for (int a = 0; a < A; ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
       if (cached) {
-        for (int i = threadIdx.x; i < r.n; i += blockDim.x) cache[i] = Key(row_scores[i]);
+        for (int i = threadIdx.x; i < r.n; i += blockDim.x) cache[CacheSlot(i)] = Key(row_scores[i]);
         __syncthreads();
       }
       const Keys keys{row_scores, cached ? cache : nullptr};
@@ -356,14 +468,17 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
-            ScoreKernel<QT, SumT, D, G><<<plan.score_blocks, kScoreThreads, 0, stream>>>(p, scores);
+            if constexpr (G <= 2)
+              ScoreKernelLanes<QT, SumT, D, G><<<plan.score_blocks, kScoreThreads, 0, stream>>>(p, scores);
+            else
+              ScoreKernel<QT, SumT, D, G><<<plan.score_blocks, kScoreThreads, 0, stream>>>(p, scores);
           })
         })
       })
     })
     if (marks) ClearMarks<<<plan.score_blocks, 256, 0, stream>>>(marks, p.page_indptr, s.batch, s.kv_heads);
   }
-  const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache) * sizeof(uint32_t);
+  const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(TopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
