@@ -7,5 +7,6 @@ namespace questkv::cli {
 
 int RunMain(int argc, char** argv);     // questkv run
 int AttendMain(int argc, char** argv);  // questkv attend
+int ProbeMain(int argc, char** argv);   // questkv probe
 
 }  // namespace questkv::cli

@@ -10,6 +10,7 @@ void Usage(FILE* out) {
                "usage: questkv <command> [flags]\n"
                "  run      long-context decode workload: selection, sparse attention, recall, traffic\n"
                "  attend   replay one decode query over K/V from .npy files\n"
+               "  probe    topology, and host memory, disk and host<->GPU bandwidth\n"
                "'questkv <command> --help' lists a command's flags.\n");
 }
 }  // namespace
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   const char* cmd = argv[1];
   if (!std::strcmp(cmd, "run")) return questkv::cli::RunMain(argc - 1, argv + 1);
   if (!std::strcmp(cmd, "attend")) return questkv::cli::AttendMain(argc - 1, argv + 1);
+  if (!std::strcmp(cmd, "probe")) return questkv::cli::ProbeMain(argc - 1, argv + 1);
   if (!std::strcmp(cmd, "--help") || !std::strcmp(cmd, "help")) {
     Usage(stdout);
     return 0;
