@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "tiers/io_backend_common.h"
+#include "topology/topology.h"
 
 namespace questkv {
 namespace {
@@ -31,9 +32,15 @@ int64_t Transfer(int fd, const IoRequest& r) {
 
 class PreadPoolBackend final : public IoBackend {
  public:
-  PreadPoolBackend(int threads, int queue_depth) : queue_depth_(queue_depth) {
+  // Workers run on `node` (the GPU's NUMA node, next to the pinned host
+  // arena they fill), or anywhere when it is -1.
+  PreadPoolBackend(int threads, int queue_depth, int node) : queue_depth_(queue_depth) {
     workers_.reserve(threads);
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { Work(); });
+    for (int i = 0; i < threads; ++i)
+      workers_.emplace_back([this, node] {
+        (void)BindCurrentThreadToNode(node);  // placement is a preference, not a requirement
+        Work();
+      });
   }
 
   // Finishes every queued request (their buffers are the caller's until
@@ -139,7 +146,7 @@ Result<std::unique_ptr<IoBackend>> MakePreadPoolBackend(int threads, int queue_d
   if (queue_depth < 1 || queue_depth > kMaxQueueDepth)
     return Status::InvalidArgument("pread pool: queue depth " + std::to_string(queue_depth) +
                                    " outside [1, " + std::to_string(kMaxQueueDepth) + "]");
-  return std::unique_ptr<IoBackend>(std::make_unique<PreadPoolBackend>(threads, queue_depth));
+  return std::unique_ptr<IoBackend>(std::make_unique<PreadPoolBackend>(threads, queue_depth, GpuNumaNode(0)));
 }
 
 Result<std::unique_ptr<IoBackend>> MakeDefaultBackend(int queue_depth) {
