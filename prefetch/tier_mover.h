@@ -39,7 +39,7 @@ struct MoverStats {
   int64_t cold_misses = 0;    // selected head-pages whose home was disk
   int64_t cold_stalls = 0;    // ... that the step waited for (strict)
   int64_t pages_skipped = 0;  // ... that the step attended without (deadline)
-  int64_t demotions = 0, promotions = 0, clean_drops = 0;
+  int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0;
   int64_t io_errors = 0, corruptions = 0;
   uint32_t host_slots_capacity = 0, host_slots_used = 0, host_slots_peak = 0;
 };
@@ -65,6 +65,9 @@ class TierMover {
   // Copies a page's bytes (layout [2][Hkv][S][D]) to dst from wherever they
   // are, promoting it from disk (counted like any promotion) if need be.
   Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
+  // A page predicted to be selected soon: if its home is disk and the host
+  // has room below its high-water mark, start promoting it (never waits).
+  Status Prefetch(uint32_t page);
   // A page died: frees its host slot and disk copy (waiting for its I/O).
   void Drop(uint32_t page);
   // Reaps finished I/O and starts demotions past the high-water mark.

@@ -136,6 +136,8 @@ Status Config::Validate() const {
     return Status::InvalidArgument("host water marks must satisfy 0 < low <= high <= 1");
   if (!disk_dir.empty() && disk_bytes == 0)
     return Status::InvalidArgument("a disk tier needs disk_bytes > 0");
+  if (prefetch_pages < 0 || prefetch_pages > 4096)
+    return Status::InvalidArgument(Field("prefetch_pages", prefetch_pages, "must be in 0..4096"));
   if (io_queue_depth < 1 || io_queue_depth > 4096)
     return Status::InvalidArgument(Field("io_queue_depth", io_queue_depth, "must be in 1..4096"));
   return Status::Ok();

@@ -104,6 +104,9 @@ struct Config {
   IoBackendKind io_backend = IoBackendKind::kAuto;
   int io_queue_depth = 64;
   ColdMissPolicy cold_miss = ColdMissPolicy::kStrict;
+  // Per (sequence, layer, KV head) and step, the best-ranked pages just
+  // outside the selection are promoted from disk ahead of need.
+  int prefetch_pages = 4;
 
   Status Validate() const;
 };

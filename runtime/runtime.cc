@@ -44,6 +44,7 @@ struct Runtime::Impl {
   Selector selector;
   // Scratch, reused across calls.
   PageTableCsr csr;
+  PageSelection next;  // runners-up of the last selection (prefetch)
   std::vector<const PageList*> lists;
   std::vector<uint32_t> list_partitions;
   std::vector<kernels::HeadPageRef> refs;
@@ -456,9 +457,11 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
     in.page_ids = I.csr.pages(b);
     in.num_pages = I.csr.num_pages(b);
     in.layer = layer;
-    QKV_RETURN_IF_ERROR(I.selector.Select(in, &sel));
+    const int prefetch = I.disk ? I.config.prefetch_pages : 0;
+    QKV_RETURN_IF_ERROR(I.selector.Select(in, &sel, &I.next, prefetch));
     for (int h = 0; h < g.kv_heads; ++h) {
       QKV_RETURN_IF_ERROR(I.AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
+      for (int i = 0; i < I.next.count(h); ++i) QKV_RETURN_IF_ERROR(I.mover->Prefetch(in.page_ids[I.next.row(h)[i]]));
       if (stats) {
         stats->head_pages_selected += sel.count(h);
         stats->head_pages_total += in.num_pages;
@@ -561,7 +564,7 @@ TierStats Runtime::tier_stats() const {
   t.disk_to_host_bytes = m.bytes.disk_to_host;
   t.hbm_hits = h.hits, t.hbm_misses = h.misses, t.hbm_evictions = h.evictions, t.hbm_bypasses = h.bypasses;
   t.cold_misses = m.cold_misses, t.cold_stalls = m.cold_stalls, t.pages_skipped = m.pages_skipped;
-  t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops;
+  t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops, t.prefetches = m.prefetches;
   t.deferred_seals = I.deferred_seals;
   t.io_errors = m.io_errors, t.corruptions = m.corruptions;
   const uint64_t hs = I.hbm->slot_bytes(), ps = I.host->slot_bytes();

@@ -34,8 +34,11 @@ void EmitRow(const std::vector<uint8_t>& flags, int n, PageSelection* out) {
 
 }  // namespace
 
-Status Selector::Select(const SelectInput& in, PageSelection* out) {
+Status Selector::Select(const SelectInput& in, PageSelection* out) { return Select(in, out, nullptr, 0); }
+
+Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection* next, int next_pages) {
   QKV_RETURN_IF_ERROR(ValidateInput(in, g_, out));
+  if (next) next->indptr.assign(1, 0), next->pages.clear();
   const int n = in.num_pages;
   out->indptr.assign(1, 0);
   out->pages.clear();
@@ -45,6 +48,8 @@ Status Selector::Select(const SelectInput& in, PageSelection* out) {
     // Every page is attended, so ranking would change nothing: skip scoring.
     mark_.assign(n, 1);
     for (int h = 0; h < g_.kv_heads; ++h) EmitRow(mark_, n, out);
+    if (next)
+      for (int h = 0; h < g_.kv_heads; ++h) next->indptr.push_back(0);
     return Status::Ok();
   }
   const int fixed = MarkSinkAndLocal(n);
@@ -55,10 +60,11 @@ Status Selector::Select(const SelectInput& in, PageSelection* out) {
     if (p_.gqa == GqaMode::kUnion) {
       for (int gi = 0; gi < g_.group(); ++gi) MarkTopK(HeadScores(h * g_.group() + gi), n, k);
     } else {
-      Aggregate(h, n);
+      Aggregate(h, n, p_.gqa);
       MarkTopK(agg_.data(), n, k);
     }
     EmitRow(mark_, n, out);
+    if (next) EmitRunnersUp(h, n, next_pages, next);
   }
   return Status::Ok();
 }
@@ -93,19 +99,29 @@ const float* Selector::HeadScores(int q_head) const {
 }
 
 // agg_[i] := max or mean over the group's query heads of U_i.
-void Selector::Aggregate(int kv_head, int n) {
+void Selector::Aggregate(int kv_head, int n, GqaMode mode) {
   const int group = g_.group();
   const float* first = HeadScores(kv_head * group);
   agg_.assign(first, first + n);
   for (int gi = 1; gi < group; ++gi) {
     const float* s = HeadScores(kv_head * group + gi);
-    if (p_.gqa == GqaMode::kMax)
+    if (mode == GqaMode::kMax)
       for (int i = 0; i < n; ++i) agg_[i] = std::max(agg_[i], s[i]);
     else
       for (int i = 0; i < n; ++i) agg_[i] += s[i];
   }
-  if (p_.gqa == GqaMode::kMean)
+  if (mode == GqaMode::kMean)
     for (int i = 0; i < n; ++i) agg_[i] /= float(group);
+}
+
+// The best `count` pages of KV head h by group-max score outside mark_.
+void Selector::EmitRunnersUp(int h, int n, int count, PageSelection* next) {
+  if (p_.gqa != GqaMode::kMax) Aggregate(h, n, GqaMode::kMax);
+  chosen_.resize(n);
+  scratch_.resize(n);
+  const int got = kernels::TopKCpu(agg_.data(), n, mark_.data(), count, chosen_.data(), scratch_.data());
+  next->pages.insert(next->pages.end(), chosen_.begin(), chosen_.begin() + got);
+  next->indptr.push_back(int32_t(next->pages.size()));
 }
 
 void Selector::MarkTopK(const float* scores, int n, int k) {

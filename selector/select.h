@@ -48,6 +48,11 @@ class Selector {
   // Fills out. InvalidArgument for num_pages < 1, null pointers, or a layer
   // outside the geometry.
   Status Select(const SelectInput& in, PageSelection* out);
+  // The same, plus in *next the `next_pages` best-ranked pages per KV head
+  // that were not selected (by the group's max score in every GQA mode):
+  // the pages most likely to be selected soon, which the tiers may promote
+  // ahead of need. Empty rows when nothing was scored.
+  Status Select(const SelectInput& in, PageSelection* out, PageSelection* next, int next_pages);
 
   // Scores U_p(q) of the last Select, [Hq][num_pages] (row = query head), or
   // empty if the last Select did not score: a dense layer or a budget that
@@ -58,8 +63,9 @@ class Selector {
   int MarkSinkAndLocal(int n);
   void ScoreAll(const SelectInput& in);
   const float* HeadScores(int q_head) const;
-  void Aggregate(int kv_head, int n);
+  void Aggregate(int kv_head, int n, GqaMode mode);
   void MarkTopK(const float* scores, int n, int k);
+  void EmitRunnersUp(int h, int n, int count, PageSelection* next);
 
   Geometry g_;
   SelectionPolicy p_;

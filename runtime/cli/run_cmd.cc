@@ -19,6 +19,7 @@ constexpr const char* kUsage =
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
+    "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
     "report:    --recall-every 8 (0: no recall) --top-r 16 --json --no-progress\n";
 
 Result<RunOptions> ParseRunOptions(const Flags& f) {
@@ -72,6 +73,8 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(o.config.io_backend, ParseIoBackendKind(io));
   QKV_ASSIGN_OR_RETURN(int64_t qd, f.Int("io-queue-depth", o.config.io_queue_depth, 1, 4096));
   o.config.io_queue_depth = int(qd);
+  QKV_ASSIGN_OR_RETURN(int64_t prefetch, f.Int("prefetch-pages", o.config.prefetch_pages, 0, 4096));
+  o.config.prefetch_pages = int(prefetch);
   QKV_ASSIGN_OR_RETURN(std::string cold, f.String("cold-miss", "strict"));
   QKV_ASSIGN_OR_RETURN(o.config.cold_miss, ParseColdMissPolicy(cold));
 
@@ -89,7 +92,7 @@ int RunMain(int argc, char** argv) {
   Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
-               "cold-miss", "recall-every", "top-r"},
+               "cold-miss", "prefetch-pages", "recall-every", "top-r"},
               {"json", "no-progress", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);

@@ -260,10 +260,11 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  hbm cache          hits %lld, misses %lld (%.1f%% hit), evictions %lld, read in place %lld\n",
        static_cast<long long>(t.hbm_hits), static_cast<long long>(t.hbm_misses), Pct(t.hbm_hits, t.hbm_hits + t.hbm_misses),
        static_cast<long long>(t.hbm_evictions), static_cast<long long>(t.hbm_bypasses));
-  Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld, "
-       "I/O errors %lld, corruptions %lld\n",
+  Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld "
+       "(%lld ahead of need), I/O errors %lld, corruptions %lld\n",
        static_cast<long long>(t.cold_misses), static_cast<long long>(t.cold_stalls),
        static_cast<long long>(t.pages_skipped), static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+       static_cast<long long>(t.prefetches),
        static_cast<long long>(t.io_errors), static_cast<long long>(t.corruptions));
   if (r.diagnosed == 0) {
     Line(out, "  recall             not sampled (--recall-every 0, or every layer dense)\n");
@@ -342,6 +343,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("demotions", t.demotions)
       .Field("promotions", t.promotions)
       .Field("clean_drops", t.clean_drops)
+      .Field("prefetches", t.prefetches)
       .Field("deferred_seals", t.deferred_seals)
       .Field("io_errors", t.io_errors)
       .Field("corruptions", t.corruptions)

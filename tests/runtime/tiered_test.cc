@@ -103,6 +103,26 @@ TEST(Tiered, StrictOutputsAreBitIdenticalToAllInMemory) {
   EXPECT_EQ(after.disk_used_bytes, 0u);
 }
 
+TEST(Tiered, RunnersUpArePromotedAheadOfNeedWhereTheHostHasRoom) {
+  Config c = Tiny(ColdMissPolicy::kStrict);
+  c.host_bytes = 60 * 4096;
+  auto rt = Runtime::Create(c, MakeMemoryBackend(8));
+  ASSERT_TRUE(rt.ok());
+  auto ref = Runtime::Create(Base());
+  Pair p{std::move(*ref), std::move(*rt)};
+  SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
+  AppendBoth(p, r, t, 600, 21);  // 150 pages per layer, host for 60
+  std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
+  SeqId rs[] = {r}, ts[] = {t};
+  for (int step = 0; step < 20; ++step) {
+    test::FillNormal(q.data(), q.size(), 40 + step);
+    ASSERT_TRUE(p.ref->DecodeAttention(rs, 1, q.data(), o1.data()).ok());
+    ASSERT_TRUE(p.tiered->DecodeAttention(ts, 1, q.data(), o2.data()).ok());
+    ASSERT_EQ(o1, o2);
+  }
+  EXPECT_GT(p.tiered->tier_stats().prefetches, 0);
+}
+
 TEST(Tiered, DeadlineSkipsColdPagesAndLetsThemLand) {
   Pair p = MakePair(ColdMissPolicy::kDeadline, MakeMemoryBackend(8));
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
