@@ -18,6 +18,11 @@ struct AppendCase {
   DType kv, sum;
   int batch, kv_heads, page_size, head_dim;
 };
+// Readable test names in ctest.
+void PrintTo(const AppendCase& c, std::ostream* os) {
+  *os << DTypeName(c.kv) << "_sum" << DTypeName(c.sum) << "_B" << c.batch << "_H" << c.kv_heads << "_S" << c.page_size
+      << "_D" << c.head_dim;
+}
 
 class AppendCudaTest : public ::testing::TestWithParam<AppendCase> {};
 

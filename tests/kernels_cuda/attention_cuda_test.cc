@@ -20,6 +20,11 @@ struct AttendCase {
   DType dtype;
   int batch, kv_heads, group, head_dim, page_size;
 };
+// Readable test names in ctest.
+void PrintTo(const AttendCase& c, std::ostream* os) {
+  *os << DTypeName(c.dtype) << "_B" << c.batch << "_H" << c.kv_heads << "_G" << c.group << "_D" << c.head_dim << "_S"
+      << c.page_size;
+}
 
 double Tolerance(DType t) { return t == DType::kF32 ? 2e-5 : t == DType::kF16 ? 2e-3 : 1.2e-2; }
 

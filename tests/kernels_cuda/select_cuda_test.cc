@@ -66,6 +66,13 @@ struct SelectCase {
   bool dense = false;
   int big_pages = 0;  // if > 0, sequence 0 has this many pages
 };
+// Readable test names in ctest.
+void PrintTo(const SelectCase& c, std::ostream* os) {
+  const char* gqa[] = {"max", "mean", "union"};
+  *os << gqa[int(c.gqa)] << "_B" << c.batch << "_H" << c.kv_heads << "_G" << c.group << "_D" << c.head_dim << "_S"
+      << c.page_size << "_K" << c.page_budget << "_q" << DTypeName(c.q_dtype) << "_sum" << DTypeName(c.sum_dtype)
+      << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "");
+}
 
 void RunSelectCase(const SelectCase& c, uint64_t seed) {
   const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
