@@ -248,7 +248,10 @@ struct Runtime::Impl {
     RetryPendingSeals();
     return mover->Pump(step);
   }
-  void EndStep() { ++step; }
+  struct StepEnd {  // ends the decode call's step however the call returns
+    Impl& impl;
+    ~StepEnd() { ++impl.step; }
+  };
 };
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -442,10 +445,7 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
   QKV_RETURN_IF_ERROR(I.BeginStep());
-  struct End {
-    Impl& I;
-    ~End() { I.EndStep(); }
-  } end{I};
+  const Impl::StepEnd end{I};
   const Geometry& g = I.g;
   if (selections) selections->resize(seqs.size());
   PageSelection local;
@@ -478,10 +478,7 @@ Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const flo
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
   QKV_RETURN_IF_ERROR(I.BeginStep());
-  struct End {
-    Impl& I;
-    ~End() { I.EndStep(); }
-  } end{I};
+  const Impl::StepEnd end{I};
   const ColdMissPolicy policy = I.config.cold_miss;
   std::vector<int32_t> all;
   for (int b = 0; b < I.csr.batch(); ++b) {
