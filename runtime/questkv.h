@@ -1,0 +1,88 @@
+/* questkv C API: the Runtime for engines not written in C++.
+ *
+ * Opaque handles and integer status codes (the same numbering as
+ * questkv::Code). Every call returns QKV_OK or an error code; after an error,
+ * qkv_last_error() gives the message for that runtime. On error the runtime
+ * is unchanged. A runtime is thread-compatible: serialise calls on one handle.
+ *
+ * Shapes (floats, row-major):
+ *   K, V of n tokens   [n][kv_heads][head_dim]   (post-RoPE keys)
+ *   queries, outputs   [batch][q_heads][head_dim]
+ */
+#ifndef QUESTKV_H_
+#define QUESTKV_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  QKV_OK = 0,
+  QKV_INVALID_ARGUMENT = 1,
+  QKV_NOT_FOUND = 2,
+  QKV_OUT_OF_RANGE = 3,
+  QKV_RESOURCE_EXHAUSTED = 4,
+  QKV_FAILED_PRECONDITION = 5,
+  QKV_IO_ERROR = 6,
+  QKV_CORRUPTION = 7,
+  QKV_UNIMPLEMENTED = 8,
+  QKV_INTERNAL = 9
+} qkv_status;
+
+typedef enum { QKV_GQA_MAX = 0, QKV_GQA_MEAN = 1, QKV_GQA_UNION = 2 } qkv_gqa_mode;
+typedef enum { QKV_COLD_MISS_STRICT = 0, QKV_COLD_MISS_DEADLINE = 1 } qkv_cold_miss;
+
+typedef struct {
+  /* geometry */
+  int layers, q_heads, kv_heads, head_dim, page_size;
+  /* selection policy */
+  int64_t token_budget;
+  int sink_pages, local_pages;
+  qkv_gqa_mode gqa;
+  const int* dense_layers; /* may be NULL when num_dense_layers is 0 */
+  int num_dense_layers;
+  /* capacities and tiers (0 = room for every page; disk_dir NULL or "" = no disk tier) */
+  uint32_t max_pages;
+  uint64_t hbm_bytes, host_bytes;
+  const char* disk_dir;
+  uint64_t disk_bytes;
+  qkv_cold_miss cold_miss;
+} qkv_config;
+
+typedef struct qkv_runtime qkv_runtime;
+
+/* Fills *config with the defaults of questkv::Config. */
+void qkv_config_default(qkv_config* config);
+
+/* Creates a runtime; on error *out is NULL and qkv_create_error() says why.
+ * Every other call returns QKV_INVALID_ARGUMENT for a NULL handle. */
+qkv_status qkv_create(const qkv_config* config, qkv_runtime** out);
+/* Message of the last failed qkv_create on this thread ("" if none). */
+const char* qkv_create_error(void);
+void qkv_destroy(qkv_runtime* rt);
+/* Message of the last failed call on rt ("" if none); valid until the next call. */
+const char* qkv_last_error(const qkv_runtime* rt);
+
+qkv_status qkv_sequence_create(qkv_runtime* rt, uint64_t* seq);
+qkv_status qkv_sequence_fork(qkv_runtime* rt, uint64_t parent, uint64_t* child);
+qkv_status qkv_sequence_from_prefix(qkv_runtime* rt, uint64_t parent, int64_t pages, uint64_t* child);
+qkv_status qkv_sequence_rollback(qkv_runtime* rt, uint64_t seq, int64_t tokens);
+qkv_status qkv_sequence_free(qkv_runtime* rt, uint64_t seq);
+qkv_status qkv_sequence_length(qkv_runtime* rt, uint64_t seq, int layer, int64_t* tokens);
+
+qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, const float* v, int64_t n);
+/* Sparse (Quest) decode attention for a batch of sequences at one layer. */
+qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
+                                float* out);
+/* Dense attention over every token (reference). */
+qkv_status qkv_dense_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
+                               float* out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* QUESTKV_H_ */
