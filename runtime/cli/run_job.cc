@@ -5,9 +5,11 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "runtime/cli/json.h"
 #include "runtime/cli/progress.h"
+#include "runtime/metrics.h"
 #include "runtime/runtime.h"
 #include "selector/diagnostics.h"
 #include "topology/topology.h"
@@ -115,7 +117,7 @@ Status DiagnoseLayer(Runtime& rt, const RunOptions& o, const Batch& batch, int l
   return Status::Ok();
 }
 
-Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r) {
+Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r, MetricsRegistry* metrics) {
   const Geometry& g = o.config.geometry;
   const int B = int(batch.ids.size());
   const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
@@ -151,6 +153,10 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       }
     }
     step_us.push_back(step_seconds * 1e6);
+    if (metrics) {
+      metrics->ObserveStep(step_seconds * 1e6);
+      metrics->Publish(rt.tier_stats());
+    }
     r.pages_peak = std::max(r.pages_peak, rt.live_pages());
     bar.Update(step + 1);
   }
@@ -182,17 +188,30 @@ Result<RunReport> RunJob(const RunOptions& o) {
   r.output_digest = 14695981039346656037ull;
   if (auto topo = DiscoverTopology(); topo.ok()) r.topology = topo->ToString();
   QKV_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> rt, Runtime::Create(o.config));
+  std::unique_ptr<MetricsRegistry> metrics;
+  std::unique_ptr<MetricsServer> server;
+  if (o.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsRegistry>();
+    QKV_ASSIGN_OR_RETURN(server, MetricsServer::Start(o.metrics_port, metrics.get()));
+    std::fprintf(stderr, "questkv: metrics on http://127.0.0.1:%d/metrics\n", server->port());
+  }
   QKV_ASSIGN_OR_RETURN(Batch batch, MakeBatch(*rt, o));
   const auto t0 = std::chrono::steady_clock::now();
   QKV_RETURN_IF_ERROR(Prefill(*rt, o, batch));
   r.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const RunReport::Links after_prefill = LinksOf(rt->tier_stats());
   r.bytes_moved_prefill = after_prefill;
-  QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r));
+  if (metrics) metrics->Publish(rt->tier_stats());
+  QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r, metrics.get()));
   r.tiers = rt->tier_stats();
   AddDiff(r.bytes_moved, LinksOf(r.tiers), after_prefill);
   AddDiff(r.bytes_moved, RunReport::Links{}, r.bytes_moved_diagnostics);
   r.dense_kv_bytes = r.head_pages_total * int64_t(o.config.geometry.head_page_elems()) * 2 * int64_t(sizeof(float));
+  if (server && o.metrics_linger_ms > 0) {
+    // The report is final: print it now so a scraper can compare while we linger.
+    std::fprintf(stderr, "questkv: run done; metrics served for %d ms more\n", o.metrics_linger_ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(o.metrics_linger_ms));
+  }
   for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
   if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
   return r;

@@ -26,6 +26,11 @@ struct RunOptions {
   int recall_every = 8;          // diagnose every N-th step (0: never)
   int top_r = 16;                // R of the page-recall and exact top-R diagnostics
   bool progress = true;
+  // Serve Prometheus metrics on 127.0.0.1:metrics_port while running (-1: off;
+  // 0: any free port, printed on stderr), and keep serving metrics_linger_ms
+  // after the run so a scraper can read the final values.
+  int metrics_port = -1;
+  int metrics_linger_ms = 0;
 };
 
 struct Percentiles {
