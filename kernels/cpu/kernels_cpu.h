@@ -100,3 +100,66 @@ void DenseAttentionReference(const float* q, const float* k, const float* v, int
                              int head_dim, std::size_t stride, double scale, float* out);
 
 }  // namespace questkv::kernels
+
+namespace questkv::kernels {
+
+// ---- resolve (CPU twin of kernels/cuda LaunchResolve) -------------------------
+// Hit/miss of every selected head-page against the residency tables, victim
+// choice per partition, the copy of missed head-pages from their pinned host
+// homes, and the host queues (cold misses, bypasses). resolve_cpu.cc states
+// the rule; the CUDA kernels follow it exactly, so tests compare tables,
+// outputs, queues (as sets: the device fills them in no fixed order),
+// counters and the copied bytes.
+namespace resolve {
+
+inline constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;  // slot_page of a free slot
+
+// A selected head-page the host must handle: a cold miss (home on disk) or a
+// bypass (no slot of its partition could be taken this step).
+struct Request {
+  uint32_t page;
+  int32_t head;
+  int32_t row;    // b * Hkv + h
+  int32_t entry;  // index into the selection arrays
+};
+
+// Accumulated over calls (never reset by a call).
+struct Counters {
+  uint64_t selected, hits, misses_host, misses_disk, bypasses, evictions, bytes_host_to_hbm, cold_stalls,
+      pages_skipped, queue_overflows;
+};
+
+}  // namespace resolve
+
+struct ResolveCpuParams {
+  int batch = 0;
+  int kv_heads = 0;
+  std::size_t piece_bytes = 0;  // bytes of one head-page's K (= of its V): S * D * sizeof(elem)
+  int64_t step = 0;
+  bool strict = false;  // cold misses: counted as stalls (strict) or skipped pages (deadline)
+  const int32_t* page_indptr = nullptr;  // [batch + 1] page table CSR
+  const uint32_t* page_ids = nullptr;    // PageIds in logical order
+  const int32_t* sel_indptr = nullptr;   // [batch * Hkv + 1] selection rows (capacities)
+  const int32_t* sel_count = nullptr;    // optional [rows] entries used
+  const int32_t* sel_pages = nullptr;    // logical page indices (select's out_pages)
+  const void* const* host_addr = nullptr;  // [PageId] home page [2][Hkv][S][D] in pinned host; null: disk
+  int32_t* hbm_slot = nullptr;           // [PageId][Hkv], -1 when not cached
+  uint32_t* slot_page = nullptr;         // [slots] kEmptySlot when free
+  int32_t* slot_head = nullptr;          // [slots]
+  int64_t* slot_last_use = nullptr;      // [slots] last step the slot was selected or filled
+  const uint8_t* slot_pinned = nullptr;  // [slots] tail slots: never victims
+  const int32_t* part_indptr = nullptr;  // [batch + 1] slot list of each sequence's partition
+  int32_t* part_slots = nullptr;         // least recently used first; reordered by the call
+  void* slots = nullptr;                 // slot pool [slot][2][piece_bytes]
+  int32_t* out_slots = nullptr;          // [sel_indptr[rows]] per row: slots to attend, selection order
+  int32_t* out_count = nullptr;          // [rows] entries of out_slots used
+  resolve::Request* cold = nullptr;      // [queue_capacity]
+  int32_t* cold_count = nullptr;         // set (not added to) by the call; may exceed the capacity
+  resolve::Request* bypass = nullptr;    // [queue_capacity]
+  int32_t* bypass_count = nullptr;
+  int queue_capacity = 0;
+  resolve::Counters* counters = nullptr;
+};
+void ResolveCpu(const ResolveCpuParams& p);
+
+}  // namespace questkv::kernels
