@@ -135,7 +135,8 @@ struct AttendShape {
 };
 
 // Split-K over pages: each row's pages are cut into `splits` chunks of
-// `pages_per_split`; partial (o, m, d) states merge associatively.
+// `pages_per_split`; partial (o, m, d) states merge associatively, in the
+// last block of each row to finish (one launch).
 struct AttendPlan {
   AttendShape shape;
   int splits = 1;
@@ -158,8 +159,107 @@ struct AttendParams {
                                       // last used entry; null: every entry is full
   void* o = nullptr;                  // [rows][G][D]; zeros for an empty row
   float* lse = nullptr;               // optional [rows][G]: m + log d (-inf for an empty row)
-  void* workspace = nullptr;          // PlanAttend's workspace_bytes
+  void* workspace = nullptr;          // PlanAttend's workspace_bytes, zeroed once after allocation
+                                      // (it holds per-row counters that RunAttend leaves at zero)
 };
 cudaError_t RunAttend(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream);
+
+
+// ==== resolve: hit/miss, victims, gather of misses (kernels/cuda/resolve.cu) =====
+//
+// For every selected head-page: hit against hbm_slot, or a victim slot of its
+// sequence's partition and a zero-copy gather of K and V from the pinned host
+// home (16-byte loads over PCIe), or a host request (cold miss: home on disk;
+// bypass: no slot could be taken). The rule is ResolveCpu's
+// (kernels/cpu/resolve_cpu.cc), reproduced exactly. Partitions are explicit
+// slot lists per sequence, least recently used first, reordered by each call;
+// the host moves slots between lists between steps (a partition never takes a
+// slot from another during a step, unlike the CPU backend's HbmCache).
+//
+// Cold misses under `strict`: the host waits for the promotions, publishes
+// host_addr and calls again with the same step (hits stay hits, the promoted
+// pages become host misses). Under `deadline` attention runs without them.
+// Either way out_slots/out_count hold what attention can read now, in place.
+
+enum class ColdPolicy : uint8_t { kStrict, kDeadline };
+
+// Same layout as kernels::resolve::Request.
+struct ResolveRequest {
+  uint32_t page;
+  int32_t head;
+  int32_t row;
+  int32_t entry;
+};
+
+// Same layout as kernels::resolve::Counters; accumulated on the device over
+// calls, read back with CopyResolveCountersAsync (never on the critical path).
+struct ResolveCounters {
+  unsigned long long selected, hits, misses_host, misses_disk, bypasses, evictions, bytes_host_to_hbm,
+      cold_stalls, pages_skipped, queue_overflows;
+};
+
+struct ResolveShape {
+  int batch = 0;
+  int kv_heads = 0;
+  int page_size = 0;  // S
+  int head_dim = 0;   // D
+  DType dtype = DType::kF16;
+  ColdPolicy policy = ColdPolicy::kDeadline;
+};
+
+struct ResolvePlan {
+  ResolveShape shape;
+  int64_t entries = 0;     // bound on sel_indptr[rows]
+  int64_t list_slots = 0;  // bound on part_indptr[batch]
+  std::size_t piece_bytes = 0;  // one head-page's K (= its V)
+  int gather_blocks = 0;
+  std::size_t workspace_bytes = 0;
+};
+// piece_bytes must be a multiple of 16. gather_blocks <= 0 picks the default.
+bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int num_sms, int gather_blocks,
+                 ResolvePlan* plan, std::string* error);
+
+struct ResolveParams {
+  int64_t step = 0;
+  const int32_t* page_indptr = nullptr;   // [batch + 1] page table CSR
+  const uint32_t* page_ids = nullptr;     // [page_indptr[batch]]
+  const int32_t* sel_indptr = nullptr;    // [rows + 1] selection rows (capacities), first 0
+  const int32_t* sel_count = nullptr;     // optional [rows]: entries used
+  const int32_t* sel_pages = nullptr;     // [sel_indptr[rows]] logical page indices (select's out_pages)
+  const void* const* host_addr = nullptr; // [PageId] device pointer to the home page [2][Hkv][S][D] in
+                                          // mapped pinned memory; null: home on disk
+  int32_t* hbm_slot = nullptr;            // [PageId][Hkv]
+  uint32_t* slot_page = nullptr;          // [slots] 0xFFFFFFFF when free
+  int32_t* slot_head = nullptr;           // [slots]
+  int64_t* slot_last_use = nullptr;       // [slots]
+  const uint8_t* slot_pinned = nullptr;   // [slots] tails: never victims
+  const int32_t* part_indptr = nullptr;   // [batch + 1]
+  int32_t* part_slots = nullptr;          // [part_indptr[batch]] LRU first; each slot in at most one list
+  void* slots = nullptr;                  // slot pool [slot][2][S][D]
+  int32_t* out_slots = nullptr;           // [sel_indptr[rows]] attention's slot_ids (same indptr)
+  int32_t* out_count = nullptr;           // [rows] attention's count
+  ResolveRequest* cold = nullptr;         // [queue_capacity], any order
+  int32_t* cold_count = nullptr;          // set by the call; > capacity: requests were dropped
+  ResolveRequest* bypass = nullptr;       // [queue_capacity], any order
+  int32_t* bypass_count = nullptr;
+  int queue_capacity = 0;
+  ResolveCounters* counters = nullptr;
+  void* workspace = nullptr;              // PlanResolve's workspace_bytes
+};
+// Four launches (classify, assign, finalize, gather); no host synchronisation.
+cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream);
+
+// The gather alone: jobs[0 .. *job_count) copy piece_bytes from k and from v
+// into dst and dst + piece_bytes, with 16-byte loads spread over every block.
+struct GatherJob {
+  const void* k;
+  const void* v;
+  void* dst;
+};
+cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::size_t piece_bytes, int blocks,
+                         cudaStream_t stream);
+
+cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,
+                                     cudaStream_t stream);
 
 }  // namespace questkv::kernels::cuda

@@ -1,0 +1,353 @@
+// Resolve on the device: ResolveCpu's rule (kernels/cpu/resolve_cpu.cc) in four
+// launches, so that each phase sees the previous one complete:
+//  1. ClassifyKernel, a warp per row: hit (touch the slot), cold, or miss
+//     (claim the residency cell with atomicMin: the lowest entry owns it).
+//  2. AssignKernel, a block per sequence: block scans rank the owned misses
+//     and the eligible slots of the partition's list; the k-th miss takes the
+//     k-th eligible slot; the rest bypass; then a stable reorder of the list.
+//     Blocks touch disjoint slots and disjoint residency cells (a claimed cell
+//     is never resident, an evicted one was not selected this step).
+//  3. FinalizeKernel, a warp per row: compacts the slots to attend, pushes
+//     host requests with warp-aggregated atomics, counts.
+//  4. GatherKernel: every filled slot's K and V from pinned host memory, as
+//     one flat range of 16-byte vectors striped over the grid, several loads
+//     in flight per thread before any store (PCIe latency is ~1 µs).
+#include <cub/block/block_scan.cuh>
+
+#include <climits>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dispatch.cuh"
+#include "kernels/cuda/kernels_cuda.h"
+
+namespace questkv::kernels::cuda {
+namespace {
+
+constexpr int kRowWarps = 8;  // rows per block in classify / finalize
+constexpr int kAssignThreads = 512;
+constexpr int kGatherThreads = 256;
+constexpr int kGatherUnroll = 4;
+constexpr int32_t kClaimBase = INT32_MIN;
+constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
+enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3 };
+
+struct Workspace {
+  uint32_t* page;     // [entries]
+  int32_t* head;      // [entries]
+  int32_t* state;     // [entries]
+  int32_t* owned;     // [entries] owned misses of each sequence, in entry order, from its first entry
+  int32_t* list;      // [list_slots] copy of part_slots
+  GatherJob* jobs;    // [entries]
+  int32_t* job_count; // [1]
+};
+
+std::size_t Align(std::size_t x) { return (x + 255) & ~std::size_t(255); }
+
+Workspace Carve(void* base, int64_t entries, int64_t list_slots, std::size_t* total) {
+  auto* p = static_cast<char*>(base);
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    char* at = p ? p + off : nullptr;
+    off += Align(bytes);
+    return at;
+  };
+  Workspace w;
+  w.page = reinterpret_cast<uint32_t*>(take(entries * 4));
+  w.head = reinterpret_cast<int32_t*>(take(entries * 4));
+  w.state = reinterpret_cast<int32_t*>(take(entries * 4));
+  w.owned = reinterpret_cast<int32_t*>(take(entries * 4));
+  w.list = reinterpret_cast<int32_t*>(take(list_slots * 4));
+  w.jobs = reinterpret_cast<GatherJob*>(take(entries * sizeof(GatherJob)));
+  w.job_count = reinterpret_cast<int32_t*>(take(4));
+  if (total) *total = off;
+  return w;
+}
+
+struct Dims {
+  int batch, kv_heads;
+  std::size_t piece_bytes;
+  bool strict;
+};
+
+__device__ inline int UsedEntries(const ResolveParams& p, int row) {
+  const int cap = p.sel_indptr[row + 1] - p.sel_indptr[row];
+  return p.sel_count ? min(p.sel_count[row], cap) : cap;
+}
+
+__global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count) {
+  *cold_count = 0;
+  *bypass_count = 0;
+  *job_count = 0;
+}
+
+__global__ void __launch_bounds__(kRowWarps * 32) ClassifyKernel(ResolveParams p, Workspace w, Dims d) {
+  const int row = blockIdx.x * kRowWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= d.batch * d.kv_heads) return;
+  const int b = row / d.kv_heads, h = row % d.kv_heads;
+  const int e0 = p.sel_indptr[row], cap = p.sel_indptr[row + 1] - e0;
+  const int n = UsedEntries(p, row);
+  const uint32_t* ids = p.page_ids + p.page_indptr[b];
+  for (int i = lane; i < cap; i += 32) {
+    const int e = e0 + i;
+    if (i >= n) {
+      w.state[e] = kIdle;
+      continue;
+    }
+    const uint32_t page = ids[p.sel_pages[e]];
+    w.page[e] = page;
+    w.head[e] = h;
+    int32_t* cell = p.hbm_slot + std::size_t(page) * d.kv_heads + h;
+    const int32_t s = *reinterpret_cast<volatile int32_t*>(cell);
+    if (s >= 0) {
+      w.state[e] = kHit;
+      p.slot_last_use[s] = p.step;
+    } else if (p.host_addr[page] == nullptr) {
+      w.state[e] = kCold;
+    } else {
+      w.state[e] = kMiss;
+      atomicMin(cell, kClaimBase + e);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, Workspace w, Dims d) {
+  using Scan = cub::BlockScan<int, kAssignThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int job_base;
+  __shared__ unsigned long long evictions;
+  const int b = blockIdx.x, H = d.kv_heads, tid = threadIdx.x;
+  if (tid == 0) evictions = 0;
+  const int e_begin = p.sel_indptr[b * H], e_end = p.sel_indptr[(b + 1) * H];
+
+  // Owned misses in entry order (idle entries carry kIdle, so rows' unused
+  // tails need no test here).
+  int owners = 0;
+  for (int base = e_begin; base < e_end; base += kAssignThreads) {
+    const int e = base + tid;
+    int own = 0;
+    if (e < e_end && w.state[e] == kMiss)
+      own = p.hbm_slot[std::size_t(w.page[e]) * H + w.head[e]] == kClaimBase + e;
+    int rank, total;
+    Scan(scan_tmp).ExclusiveSum(own, rank, total);
+    if (own) w.owned[e_begin + owners + rank] = e;
+    owners += total;
+    __syncthreads();
+  }
+
+  // Eligible slots in list order take the owned misses in order.
+  const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];
+  int cands = 0;
+  for (int base = l_begin; base < l_end; base += kAssignThreads) {
+    const int i = base + tid;
+    int elig = 0;
+    int32_t s = -1;
+    if (i < l_end) {
+      s = p.part_slots[i];
+      w.list[i] = s;
+      elig = !p.slot_pinned[s] && p.slot_last_use[s] != p.step;
+    }
+    int rank, total;
+    Scan(scan_tmp).ExclusiveSum(elig, rank, total);
+    const int take = min(total, max(owners - cands, 0));
+    if (take > 0 && tid == 0) job_base = atomicAdd(w.job_count, take);
+    __syncthreads();
+    if (elig && rank < take) {
+      const int e = w.owned[e_begin + cands + rank];
+      const uint32_t page = w.page[e];
+      const int h = w.head[e];
+      const uint32_t old = p.slot_page[s];
+      if (old != kEmptySlot) {
+        p.hbm_slot[std::size_t(old) * H + p.slot_head[s]] = -1;
+        atomicAdd(&evictions, 1ull);
+      }
+      p.slot_page[s] = page;
+      p.slot_head[s] = h;
+      p.slot_last_use[s] = p.step;
+      p.hbm_slot[std::size_t(page) * H + h] = s;
+      const char* home = static_cast<const char*>(p.host_addr[page]);
+      w.jobs[job_base + rank] = GatherJob{home + std::size_t(h) * d.piece_bytes,
+                                          home + std::size_t(H + h) * d.piece_bytes,
+                                          static_cast<char*>(p.slots) + std::size_t(s) * 2 * d.piece_bytes};
+    }
+    cands += total;
+    __syncthreads();
+  }
+  // Owners past the eligible slots: bypass, the claim released.
+  for (int k = cands + tid; k < owners; k += kAssignThreads) {
+    const int e = w.owned[e_begin + k];
+    p.hbm_slot[std::size_t(w.page[e]) * H + w.head[e]] = -1;
+  }
+  __syncthreads();
+
+  // Stable reorder: not used this step first, then used, each in old order.
+  int unused_total = 0;
+  for (int base = l_begin; base < l_end; base += kAssignThreads) {
+    const int i = base + tid;
+    unused_total += __syncthreads_count(i < l_end && p.slot_last_use[w.list[i]] != p.step);
+  }
+  int unused_before = 0;
+  for (int base = l_begin; base < l_end; base += kAssignThreads) {
+    const int i = base + tid;
+    const int unused = i < l_end && p.slot_last_use[w.list[i]] != p.step;
+    int rank, total;
+    Scan(scan_tmp).ExclusiveSum(unused, rank, total);
+    if (i < l_end) {
+      const int pos = unused ? unused_before + rank : unused_total + (i - l_begin - unused_before - rank);
+      p.part_slots[l_begin + pos] = w.list[i];
+    }
+    unused_before += total;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    const int filled = min(owners, cands);
+    if (evictions) atomicAdd(&p.counters->evictions, evictions);
+    if (filled) atomicAdd(&p.counters->bytes_host_to_hbm, 2ull * d.piece_bytes * filled);
+  }
+}
+
+__device__ inline unsigned WarpCount(bool x) { return __popc(__ballot_sync(0xFFFFFFFFu, x)); }
+
+// Appends the lanes with `push` set; returns how many were dropped (lane 0's
+// count is the warp's).
+__device__ inline int WarpPush(bool push, const ResolveRequest& r, ResolveRequest* queue, int32_t* count,
+                               int capacity) {
+  const unsigned mask = __ballot_sync(0xFFFFFFFFu, push);
+  if (!mask) return 0;
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  if (lane == 0) base = atomicAdd(count, __popc(mask));
+  base = __shfl_sync(0xFFFFFFFFu, base, 0);
+  const int idx = base + __popc(mask & ((1u << lane) - 1));
+  const bool drop = push && idx >= capacity;
+  if (push && !drop) queue[idx] = r;
+  return WarpCount(drop);
+}
+
+__global__ void __launch_bounds__(kRowWarps * 32) FinalizeKernel(ResolveParams p, Workspace w, Dims d) {
+  const int row = blockIdx.x * kRowWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= d.batch * d.kv_heads) return;
+  const int h = row % d.kv_heads;
+  const int e0 = p.sel_indptr[row];
+  const int n = UsedEntries(p, row);
+  unsigned long long selected = 0, hits = 0, misses = 0, cold = 0, bypasses = 0, dropped = 0;
+  int out = 0;
+  for (int c0 = 0; c0 < n; c0 += 32) {
+    const int i = c0 + lane;
+    const int e = e0 + i;
+    const int st = i < n ? w.state[e] : kIdle;
+    const uint32_t page = st != kIdle ? w.page[e] : 0;
+    int32_t s = -1;
+    if (st == kHit || st == kMiss) s = p.hbm_slot[std::size_t(page) * d.kv_heads + h];
+    const ResolveRequest req{page, h, row, e};
+    const bool is_cold = st == kCold, is_bypass = st == kMiss && s < 0, keep = s >= 0;
+    selected += WarpCount(st != kIdle);
+    hits += WarpCount(st == kHit);
+    misses += WarpCount(st == kMiss);
+    cold += WarpCount(is_cold);
+    bypasses += WarpCount(is_bypass);
+    dropped += WarpPush(is_cold, req, p.cold, p.cold_count, p.queue_capacity);
+    dropped += WarpPush(is_bypass, req, p.bypass, p.bypass_count, p.queue_capacity);
+    const unsigned kept = __ballot_sync(0xFFFFFFFFu, keep);
+    if (keep) p.out_slots[e0 + out + __popc(kept & ((1u << lane) - 1))] = s;
+    out += __popc(kept);
+  }
+  if (lane != 0) return;
+  p.out_count[row] = out;
+  ResolveCounters* c = p.counters;
+  if (selected) atomicAdd(&c->selected, selected);
+  if (hits) atomicAdd(&c->hits, hits);
+  if (misses) atomicAdd(&c->misses_host, misses);
+  if (cold) {
+    atomicAdd(&c->misses_disk, cold);
+    atomicAdd(d.strict ? &c->cold_stalls : &c->pages_skipped, cold);
+  }
+  if (bypasses) atomicAdd(&c->bypasses, bypasses);
+  if (dropped) atomicAdd(&c->queue_overflows, dropped);
+}
+
+__global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* __restrict__ jobs,
+                                                               const int32_t* __restrict__ job_count,
+                                                               uint32_t piece_vecs) {
+  const uint32_t job_vecs = 2 * piece_vecs;
+  const uint32_t total = uint32_t(*job_count) * job_vecs;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < total; i0 += stride * kGatherUnroll) {
+    uint4 v[kGatherUnroll];
+    uint4* dst[kGatherUnroll];
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const uint32_t i = i0 + u * stride;
+      dst[u] = nullptr;
+      if (i < total) {
+        const GatherJob& j = jobs[i / job_vecs];
+        const uint32_t within = i % job_vecs;
+        const bool is_v = within >= piece_vecs;
+        const uint4* src = static_cast<const uint4*>(is_v ? j.v : j.k) + (within - (is_v ? piece_vecs : 0));
+        v[u] = Load16(src);
+        dst[u] = static_cast<uint4*>(j.dst) + within;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u)
+      if (dst[u]) *dst[u] = v[u];
+  }
+}
+
+}  // namespace
+
+bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int num_sms, int gather_blocks,
+                 ResolvePlan* plan, std::string* error) {
+  auto fail = [&](const std::string& m) {
+    if (error) *error = "PlanResolve: " + m;
+    return false;
+  };
+  if (s.batch <= 0 || s.kv_heads <= 0) return fail("batch and kv_heads must be positive");
+  if (s.page_size <= 0 || s.head_dim <= 0) return fail("page_size and head_dim must be positive");
+  if (entries < 0 || list_slots < 0 || entries >= INT32_MAX || list_slots >= INT32_MAX)
+    return fail("entries and list_slots must be in [0, 2^31 - 1)");
+  const std::size_t piece = std::size_t(s.page_size) * s.head_dim * DTypeBytes(s.dtype);
+  if (piece % 16) return fail("a head-page's K (S * D * elem = " + std::to_string(piece) + " B) is not a multiple of 16");
+  if (double(entries) * 2 * double(piece / 16) >= double(UINT32_MAX))
+    return fail("entries * head-page bytes / 16 must stay under 2^32");
+  ResolvePlan out;
+  out.shape = s;
+  out.entries = entries;
+  out.list_slots = list_slots;
+  out.piece_bytes = piece;
+  out.gather_blocks = gather_blocks > 0 ? gather_blocks : 4 * (num_sms > 0 ? num_sms : 132);
+  Carve(nullptr, entries, list_slots, &out.workspace_bytes);
+  *plan = out;
+  return true;
+}
+
+cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::size_t piece_bytes, int blocks,
+                         cudaStream_t stream) {
+  if (piece_bytes % 16 || blocks <= 0)
+    return Unsupported("gather piece_bytes (multiple of 16) or blocks", (long long)piece_bytes, "16 * n");
+  GatherKernel<<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, uint32_t(piece_bytes / 16));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
+  const ResolveShape& s = plan.shape;
+  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict};
+  const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, nullptr);
+  const int rows = s.batch * s.kv_heads;
+  const int row_blocks = (rows + kRowWarps - 1) / kRowWarps;
+  ResetKernel<<<1, 1, 0, stream>>>(p.cold_count, p.bypass_count, w.job_count);
+  ClassifyKernel<<<row_blocks, kRowWarps * 32, 0, stream>>>(p, w, d);
+  AssignKernel<<<s.batch, kAssignThreads, 0, stream>>>(p, w, d);
+  FinalizeKernel<<<row_blocks, kRowWarps * 32, 0, stream>>>(p, w, d);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream);
+}
+
+cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,
+                                     cudaStream_t stream) {
+  return cudaMemcpyAsync(pinned_host, device, sizeof(ResolveCounters), cudaMemcpyDeviceToHost, stream);
+}
+
+}  // namespace questkv::kernels::cuda
