@@ -1,6 +1,7 @@
 #include "runtime/runtime.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cassert>
 #include <cmath>
 #include <cstring>
@@ -19,6 +20,8 @@ namespace questkv {
 
 namespace {
 std::string SeqName(SeqId id) { return "sequence " + std::to_string(id); }
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 constexpr std::size_t kIoAlignFloats = 1024;  // 4096 bytes
 }  // namespace
 
@@ -49,7 +52,9 @@ struct Runtime::Impl {
   std::vector<uint32_t> list_partitions;
   std::vector<kernels::HeadPageRef> refs;
   std::vector<float> m, d, page_scratch;
-  int64_t attended = 0;  // tokens the last AttendRow read
+  int64_t attended = 0;        // tokens the last AttendRow read
+  double attend_seconds = 0;   // of the last AttendRow: attention proper
+  double row_seconds = 0;      // of the last AttendRow: all of it
 
   explicit Impl(const Config& c)
       : config(c), g(c.geometry), ids(c.max_pages), homed(c.max_pages, 0), selector(c.geometry, c.policy),
@@ -214,9 +219,13 @@ struct Runtime::Impl {
     kernels::AttendPagesCpu(q + qoff, G, g.head_dim, nullptr, 0, scale, out + qoff, m.data(), d.data());
     refs.clear();
     attended = 0;
+    attend_seconds = 0;
+    const auto row_start = Clock::now();
     auto flush = [&] {
+      const auto t0 = Clock::now();
       kernels::AttendMorePagesCpu(q + qoff, G, g.head_dim, refs.data(), int(refs.size()), scale, out + qoff,
                                   m.data(), d.data());
+      attend_seconds += Seconds(Clock::now() - t0);
       for (const kernels::HeadPageRef& r : refs) attended += r.len;
       refs.clear();
       mover->EndReads();
@@ -238,6 +247,7 @@ struct Runtime::Impl {
       refs.push_back({src->k, src->v, p == last ? csr.last_page_len[b] : g.page_size});
     }
     flush();
+    row_seconds = Seconds(Clock::now() - row_start);
     return Status::Ok();
   }
 
@@ -458,11 +468,16 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
     in.num_pages = I.csr.num_pages(b);
     in.layer = layer;
     const int prefetch = I.disk ? I.config.prefetch_pages : 0;
+    const auto t0 = Clock::now();
     QKV_RETURN_IF_ERROR(I.selector.Select(in, &sel, &I.next, prefetch));
+    if (stats) stats->select_us += 1e6 * Seconds(Clock::now() - t0);
     for (int h = 0; h < g.kv_heads; ++h) {
       QKV_RETURN_IF_ERROR(I.AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
+      const auto t1 = Clock::now();
       for (int i = 0; i < I.next.count(h); ++i) QKV_RETURN_IF_ERROR(I.mover->Prefetch(in.page_ids[I.next.row(h)[i]]));
       if (stats) {
+        stats->attend_us += 1e6 * I.attend_seconds;
+        stats->resolve_us += 1e6 * (I.row_seconds - I.attend_seconds + Seconds(Clock::now() - t1));
         stats->head_pages_selected += sel.count(h);
         stats->head_pages_total += in.num_pages;
         stats->kv_bytes_read += I.attended * g.head_dim * 2 * int64_t(sizeof(float));

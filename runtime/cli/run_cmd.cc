@@ -12,6 +12,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: questkv run [flags]   (defaults in brackets)\n"
     "geometry:  --layers 4 --q-heads 8 --kv-heads 2 --head-dim 64 --page-size 16\n"
+    "           --preset llama2-7b (32 layers, 32 heads x 128) | llama3-8b (32 layers, 32 q / 8 KV heads x 128);\n"
+    "           flags given beside a preset override it\n"
     "workload:  --workload structured|gaussian [structured] --seed 1 --context 32768\n"
     "           --steps 64 --batch 1 (sequence b holds context-7b tokens)\n"
     "policy:    --token-budget 1024 --sink-pages 1 --local-pages 8 --gqa max|mean|union [max]\n"
@@ -28,6 +30,14 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   RunOptions o;
   Geometry& g = o.config.geometry;
   SelectionPolicy& p = o.config.policy;
+  QKV_ASSIGN_OR_RETURN(std::string preset, f.String("preset", ""));
+  if (preset == "llama2-7b") {
+    g.layers = 32, g.q_heads = 32, g.kv_heads = 32, g.head_dim = 128;
+  } else if (preset == "llama3-8b") {
+    g.layers = 32, g.q_heads = 32, g.kv_heads = 8, g.head_dim = 128;
+  } else if (!preset.empty()) {
+    return Status::InvalidArgument("--preset: unknown '" + preset + "' (llama2-7b, llama3-8b)");
+  }
   QKV_ASSIGN_OR_RETURN(int64_t layers, f.Int("layers", g.layers, 1, 1024));
   QKV_ASSIGN_OR_RETURN(int64_t hq, f.Int("q-heads", g.q_heads, 1, 4096));
   QKV_ASSIGN_OR_RETURN(int64_t hkv, f.Int("kv-heads", g.kv_heads, 1, 1024));
@@ -94,7 +104,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
 }  // namespace
 
 int RunMain(int argc, char** argv) {
-  Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
+  Flags flags({"preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "top-r", "metrics-port", "metrics-linger-ms"},

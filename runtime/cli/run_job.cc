@@ -125,6 +125,10 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   std::vector<float> k(row * B), v(row * B), q(qstride * B), out(qstride * B);
   std::vector<PageSelection> sels;
   std::vector<double> step_us;
+  std::vector<float> dense_out(out.size());
+  double append_us = 0;
+  // Dense attention is timed beside Quest only when every page is in memory.
+  const bool in_memory = o.config.disk_dir.empty() && o.config.hbm_bytes == 0 && o.config.host_bytes == 0;
   AttendStats stats;
   Progress bar("decode", o.decode_steps, o.progress);
   for (int64_t step = 0; step < o.decode_steps; ++step) {
@@ -138,8 +142,18 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       const auto t0 = std::chrono::steady_clock::now();
       for (int b = 0; b < B; ++b)
         QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
+      const auto t1 = std::chrono::steady_clock::now();
       QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(), &sels, &stats));
-      step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const auto t2 = std::chrono::steady_clock::now();
+      append_us += 1e6 * std::chrono::duration<double>(t1 - t0).count();
+      step_seconds += std::chrono::duration<double>(t2 - t0).count();
+      if (diagnose && in_memory && !o.config.policy.is_dense(layer)) {
+        // Dense attention in memory over the same K/V, for comparison.
+        QKV_RETURN_IF_ERROR(rt.DenseAttention(batch.ids, layer, q.data(), dense_out.data()));
+        r.compared_dense_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
+        r.compared_quest_us += 1e6 * std::chrono::duration<double>(t2 - t1).count();
+        ++r.compared_layers;
+      }
       Digest(r.output_digest, out.data(), out.size());
       for (int b = 0; b < B; ++b) {
         QKV_ASSIGN_OR_RETURN(int64_t len, rt.Length(batch.ids[b], layer));
@@ -161,6 +175,8 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     bar.Update(step + 1);
   }
   r.step_latency_us = Summarise(std::move(step_us));
+  const double steps = std::max<double>(1, double(o.decode_steps));
+  r.step_breakdown_us = {append_us / steps, stats.select_us / steps, stats.resolve_us / steps, stats.attend_us / steps};
   r.head_pages_selected = stats.head_pages_selected;
   r.head_pages_total = stats.head_pages_total;
   r.kv_bytes_read = stats.kv_bytes_read;
@@ -265,6 +281,13 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
   Line(out, "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n", r.step_latency_us.p50,
        r.step_latency_us.p99, o.config.geometry.layers);
+  const RunReport::Breakdown& bd = r.step_breakdown_us;
+  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (means)\n",
+       bd.append, bd.select, bd.resolve, bd.attend);
+  if (r.compared_layers > 0)
+    Line(out, "  against dense      %.0f us dense vs %.0f us Quest per sparse layer call (%d sampled): %.2fx\n",
+         r.compared_dense_us / r.compared_layers, r.compared_quest_us / r.compared_layers, r.compared_layers,
+         r.compared_quest_us > 0 ? r.compared_dense_us / r.compared_quest_us : 0.0);
   Line(out, "  head-pages read    %lld of %lld (%.1f%%)\n", static_cast<long long>(r.head_pages_selected),
        static_cast<long long>(r.head_pages_total), Pct(r.head_pages_selected, r.head_pages_total));
   Line(out, "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n", Mib(r.kv_bytes_read).c_str(),
@@ -385,6 +408,18 @@ std::string ReportJson(const RunReport& r) {
       .Field("p99", r.step_latency_us.p99)
       .Field("mean", r.step_latency_us.mean)
       .EndObject();
+  j.BeginObject("step_breakdown_us")
+      .Field("append", r.step_breakdown_us.append)
+      .Field("select", r.step_breakdown_us.select)
+      .Field("resolve", r.step_breakdown_us.resolve)
+      .Field("attend", r.step_breakdown_us.attend)
+      .EndObject();
+  if (r.compared_layers > 0)
+    j.BeginObject("dense_comparison")
+        .Field("layer_calls", r.compared_layers)
+        .Field("dense_us", r.compared_dense_us / r.compared_layers)
+        .Field("quest_us", r.compared_quest_us / r.compared_layers)
+        .EndObject();
   j.Field("prefill_seconds", r.prefill_seconds);
   j.Field("output_digest", Hex(r.output_digest));
   j.EndObject();

@@ -42,6 +42,13 @@ struct RunReport {
   std::string topology;
   double prefill_seconds = 0;
   Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
+  struct Breakdown {
+    double append = 0, select = 0, resolve = 0, attend = 0;
+  } step_breakdown_us;             // means per step
+  // On sampled sparse (step, layer)s of an all-in-memory run: the runtime's
+  // dense attention over the same K/V, timed beside the Quest call.
+  int compared_layers = 0;
+  double compared_quest_us = 0, compared_dense_us = 0;  // sums
   int64_t head_pages_selected = 0;
   int64_t head_pages_total = 0;
   int64_t kv_bytes_read = 0;       // K/V bytes sparse attention read

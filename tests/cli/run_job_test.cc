@@ -1,6 +1,8 @@
 // The main job end to end, in-process, on small sizes.
 #include "runtime/cli/run_job.h"
 
+#include "runtime/cli/commands.h"
+
 #include <gtest/gtest.h>
 
 namespace questkv::cli {
@@ -110,6 +112,34 @@ TEST(RunJob, FullBudgetRecallsEverything) {
   EXPECT_NEAR(r->attention_mass_recall, 1.0, 1e-9);
   EXPECT_LT(r->output_rel_error, 1e-5);
   EXPECT_EQ(r->head_pages_selected, r->head_pages_total);
+}
+
+TEST(RunJob, ReportsTheStepBreakdownAndDenseBeside) {
+  auto r = RunJob(Small());
+  ASSERT_TRUE(r.ok());
+  const RunReport::Breakdown& b = r->step_breakdown_us;
+  EXPECT_GT(b.select, 0);
+  EXPECT_GT(b.attend, 0);
+  EXPECT_GE(b.resolve, 0);
+  // The phases are parts of the step (prefetch bookkeeping aside).
+  EXPECT_LE(b.append + b.select + b.resolve + b.attend, 1.05 * r->step_latency_us.mean + 50);
+  EXPECT_EQ(r->compared_layers, 4);  // 2 sampled steps x 2 sparse layers, one batched call each
+  EXPECT_GT(r->compared_dense_us, 0);
+  const std::string json = ReportJson(*r);
+  EXPECT_NE(json.find("\"step_breakdown_us\":{\"append\":"), std::string::npos);
+  EXPECT_NE(json.find("\"dense_comparison\":{"), std::string::npos);
+}
+
+TEST(RunCommand, PresetsAndBadPresets) {
+  const char* bad[] = {"run", "--preset", "gpt-9"};
+  EXPECT_EQ(RunMain(3, const_cast<char**>(bad)), 2);
+  const char* ok[] = {"run", "--preset", "llama3-8b", "--layers", "3", "--context", "300", "--steps", "2",
+                      "--recall-every", "0", "--no-progress", "--json"};
+  testing::internal::CaptureStdout();
+  EXPECT_EQ(RunMain(13, const_cast<char**>(ok)), 0);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("\"geometry\":{\"layers\":3,\"q_heads\":32,\"kv_heads\":8,\"head_dim\":128"), std::string::npos)
+      << out;
 }
 
 TEST(RunJob, BadOptionsAreErrors) {
