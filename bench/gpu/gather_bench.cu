@@ -324,60 +324,73 @@ void BenchOverlap(const Shared& g, const GatherJob* d_jobs, const int32_t* d_cou
   ap.workspace = ws;
   const double attend_bytes = double(a.rows) * pages * slot_bytes;
 
-  constexpr int kCalls = 60;
-  std::vector<Timer> ev(kCalls);
-  // Call times in us; with `since`, only calls that ended by `until_ms`
-  // after it (set later) are kept: (start, end, duration) triples.
+  // Calls on stream `st`, each between two events; offsets from `since`.
   struct Call {
     double start_ms, end_ms, us;
   };
-  auto attend_calls = [&](std::vector<Call>* out, cudaEvent_t since) {
-    for (int i = 0; i < kCalls; ++i) {
-      CHECK(cudaEventRecord(ev[i].a, g.s));
-      CHECK(RunAttend(plan, ap, g.s));
-      CHECK(cudaEventRecord(ev[i].b, g.s));
+  constexpr int kCalls = 400;  // ~20 ms: longer than one 512 MiB gather
+  std::vector<Timer> ev(kCalls);
+  auto launch_calls = [&](cudaStream_t st, int n) {
+    for (int i = 0; i < n; ++i) {
+      CHECK(cudaEventRecord(ev[i].a, st));
+      CHECK(RunAttend(plan, ap, st));
+      CHECK(cudaEventRecord(ev[i].b, st));
     }
-    CHECK(cudaStreamSynchronize(g.s));
-    for (int i = 1; i < kCalls; ++i) {
+  };
+  auto collect = [&](int n, cudaEvent_t since) {
+    CHECK(cudaDeviceSynchronize());
+    std::vector<Call> out;
+    for (int i = 1; i < n; ++i) {
       float s0 = 0, s1 = 0;
       if (since) {
         CHECK(cudaEventElapsedTime(&s0, since, ev[i].a));
         CHECK(cudaEventElapsedTime(&s1, since, ev[i].b));
       }
-      out->push_back(Call{s0, s1, ev[i].Ms() * 1e3});
+      out.push_back(Call{s0, s1, ev[i].Ms() * 1e3});
     }
+    return out;
   };
-  std::vector<Call> warm, alone_calls, beside_calls;
-  attend_calls(&warm, nullptr);
-  attend_calls(&alone_calls, nullptr);
-  std::vector<double> alone, beside;
-  for (const Call& c : alone_calls) alone.push_back(c.us);
-  // Gather alone, then gather with attention looping beside it.
+  launch_calls(g.s, 60);
+  collect(60, nullptr);
+  launch_calls(g.s, 200);
+  std::vector<double> alone;
+  for (const Call& c : collect(200, nullptr)) alone.push_back(c.us);
   const double g_alone = TimeGather(g, d_jobs, d_count, 4096, gather_blocks);
-  Timer tg;
-  double g_beside_sec = 0;
-  {
+  // Gather on s2, attention calls on `st` launched right behind it; keep the
+  // calls that ran entirely inside the gather's interval.
+  auto beside_run = [&](cudaStream_t st, std::vector<double>* beside, double* gather_sec, double* first_start_ms) {
+    Timer tg;
     CHECK(cudaDeviceSynchronize());
     CHECK(cudaEventRecord(tg.a, g.s2));
     CHECK(LaunchGather(d_jobs, d_count, 4096, gather_blocks, g.s2));
     CHECK(cudaEventRecord(tg.b, g.s2));
-    // Attention calls until the gather is done (bounded).
-    for (int round = 0; round < 40 && cudaEventQuery(tg.b) == cudaErrorNotReady; ++round)
-      attend_calls(&beside_calls, tg.a);
-    CHECK(cudaEventSynchronize(tg.b));
-    g_beside_sec = tg.Ms() / 1e3;
+    launch_calls(st, kCalls);
+    const auto calls = collect(kCalls, tg.a);
+    *gather_sec = tg.Ms() / 1e3;
+    *first_start_ms = calls.front().start_ms;
+    for (const Call& c : calls)
+      if (c.start_ms >= 0 && c.end_ms <= *gather_sec * 1e3) beside->push_back(c.us);
+  };
+  int lo = 0, hi = 0;
+  CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+  cudaStream_t s_hi;
+  CHECK(cudaStreamCreateWithPriority(&s_hi, cudaStreamNonBlocking, hi));
+  const double a0 = Median(alone);
+  for (int prio = 0; prio < 2; ++prio) {
+    std::vector<double> beside;
+    double g_sec = 0, first = 0;
+    beside_run(prio ? s_hi : g.s, &beside, &g_sec, &first);
+    const double a1 = beside.empty() ? 0 : Median(beside);
+    Row("overlap attend llama3-8b b=16 budget=2048 (%s prio) alone %6.1f us (%.2f TB/s) | beside gather %6.1f us"
+        "  slowdown %5.1f%%  (%zu calls inside, first began %.2f ms after the gather)",
+        prio ? "high" : "same", a0, attend_bytes / a0 / 1e6, a1, 100 * (a1 / a0 - 1), beside.size(), first);
+    Row("overlap gather 8 KiB grid %d alone %6.1f GB/s | beside attention %6.1f GB/s", gather_blocks,
+        kMissBytes / g_alone / 1e9, kMissBytes / g_sec / 1e9);
+    Json("{\"bench\":\"overlap\",\"attend_priority\":\"" + std::string(prio ? "high" : "same") +
+         "\",\"attend_us_alone\":" + std::to_string(a0) + ",\"attend_us_beside\":" + std::to_string(a1) +
+         ",\"calls_inside\":" + std::to_string(beside.size()) + ",\"gather_gbs_alone\":" +
+         std::to_string(kMissBytes / g_alone / 1e9) + ",\"gather_gbs_beside\":" + std::to_string(kMissBytes / g_sec / 1e9) + "}");
   }
-  // Only calls that ran entirely while the gather did.
-  for (const Call& c : beside_calls)
-    if (c.start_ms >= 0 && c.end_ms <= g_beside_sec * 1e3) beside.push_back(c.us);
-  const double a0 = Median(alone), a1 = beside.empty() ? 0 : Median(beside);
-  Row("overlap attend llama3-8b b=16 budget=2048 alone %7.1f us (%.2f TB/s) | beside gather %7.1f us  slowdown %5.1f%%",
-      a0, attend_bytes / a0 / 1e6, a1, 100 * (a1 / a0 - 1));
-  Row("overlap gather 8 KiB grid %d alone %6.1f GB/s | beside attention %6.1f GB/s  (%zu attention calls during it)",
-      gather_blocks, kMissBytes / g_alone / 1e9, kMissBytes / g_beside_sec / 1e9, beside.size());
-  Json("{\"bench\":\"overlap\",\"attend_us_alone\":" + std::to_string(a0) + ",\"attend_us_beside\":" +
-       std::to_string(a1) + ",\"gather_gbs_alone\":" + std::to_string(kMissBytes / g_alone / 1e9) +
-       ",\"gather_gbs_beside\":" + std::to_string(kMissBytes / g_beside_sec / 1e9) + "}");
 }
 
 }  // namespace
