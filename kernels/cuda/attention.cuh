@@ -8,7 +8,9 @@
 // the step issued before any arithmetic. Each warp keeps an online-softmax
 // state (base-2 logits, unnormalised o) for its rows; warps merge through
 // shared memory, and the block writes either the final output (one split) or
-// a normalised partial (o, m, d) for the merge kernel.
+// a normalised partial (o, m, d); with splits, the last block of a row to
+// finish (a counter per row in the workspace) merges the row's partials, so
+// the whole attention is one launch.
 #pragma once
 
 #include <cfloat>
@@ -37,17 +39,78 @@ struct AttendTraits {
   static_assert(kR >= 1 && S % kRows == 0, "page size too small for this head dim");
 };
 
-// Workspace of split partials: o [rows][splits][G][D], then m and d [rows][splits][G].
+// Workspace: the per-row finish counters [rows] (zero between launches: the
+// merging block resets its row's), then the split partials: o
+// [rows][splits][G][D], m and d [rows][splits][G].
 struct PartialView {
   float* o;
   float* m;
   float* d;
+  int* done;
 };
+inline std::size_t CounterBytes(int rows) { return (std::size_t(rows) * sizeof(int) + 255) & ~std::size_t(255); }
 inline PartialView Partials(void* ws, int rows, int splits, int group, int head_dim) {
-  float* o = static_cast<float*>(ws);
+  int* done = static_cast<int*>(ws);
+  float* o = reinterpret_cast<float*>(static_cast<char*>(ws) + CounterBytes(rows));
   float* m = o + std::size_t(rows) * splits * group * head_dim;
-  return {o, m, m + std::size_t(rows) * splits * group};
+  return {o, m, m + std::size_t(rows) * splits * group, done};
 }
+
+// The last block of a row merges its splits' partials (the arithmetic of
+// kernels/attention_state.h MergeState): the split weights d_s * exp(m_s - M)
+// go to shared memory `w` (G * splits floats) first, then one thread per
+// (g, 4 columns) sums the partial o's; __ldcg reads the other blocks'
+// partials from L2.
+template <typename T, int D, int G>
+__device__ void MergeRow(const PartialView& part, int row, int splits, float* w, T* out, float* lse) {
+  __shared__ float sh_max[G], sh_sum[G];
+  const std::size_t at0 = std::size_t(row) * splits * G;  // [splits][G] of this row
+  for (int i = threadIdx.x; i < G * splits; i += blockDim.x) {
+    const int s = i / G, g = i % G;
+    const float d = __ldcg(part.d + at0 + i);
+    w[g * splits + s] = d == 0.f ? -INFINITY : __ldcg(part.m + at0 + i);  // m, or -inf: empty
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mm = -INFINITY;
+    for (int s = 0; s < splits; ++s) mm = fmaxf(mm, w[g * splits + s]);
+    sh_max[g] = mm;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * splits; i += blockDim.x) {
+    const int s = i / G, g = i % G;
+    const float d = __ldcg(part.d + at0 + i);
+    w[g * splits + s] = d == 0.f ? 0.f : d * __expf(w[g * splits + s] - sh_max[g]);
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float sum = 0.f;
+    for (int s = 0; s < splits; ++s) sum += w[g * splits + s];
+    sh_sum[g] = sum;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D / 4; i += blockDim.x) {
+    const int g = i / (D / 4), c = (i % (D / 4)) * 4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const float ws = w[g * splits + s];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part.o + (at0 + std::size_t(s) * G + g) * D + c));
+      o.x += ws * v.x, o.y += ws * v.y, o.z += ws * v.z, o.w += ws * v.w;
+    }
+    const float sum = sh_sum[g];
+    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+    T* dst = out + std::size_t(row) * G * D + g * D + c;
+    dst[0] = FromFloat<T>(o.x * inv), dst[1] = FromFloat<T>(o.y * inv);
+    dst[2] = FromFloat<T>(o.z * inv), dst[3] = FromFloat<T>(o.w * inv);
+    if (lse && c == 0) lse[row * G + g] = sum == 0.f ? -INFINITY : sh_max[g] + logf(sum);
+  }
+}
+
+// Most splits a plan may have: the merge's weights reuse sh_o (4 * G * D floats).
+inline constexpr int kMaxSplits = kAttendWarps * 64;
 
 template <typename T, int D, int S, int G>
 __global__ void __launch_bounds__(kAttendWarps * 32)
@@ -219,6 +282,19 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
       }
     }
   }
+  if (splits == 1) return;
+  // Publish this block's partial; the row's last block merges.
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(part.done + row, 1) == splits - 1;
+    if (is_last) part.done[row] = 0;  // every block of the row has counted
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  MergeRow<T, D, G>(part, row, splits, &sh_o[0][0][0], static_cast<T*>(p.o), p.lse);
 }
 
 // Per-dtype entry points (attention_{f32,f16,bf16}.cu).

@@ -103,6 +103,7 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
   Upload(d_o, Encode(std::vector<float>(std::size_t(rows) * G * D, NAN), c.dtype));  // poison
   Upload(d_lse, std::vector<float>(std::size_t(rows) * G, NAN));
   d_ws.Resize(std::max<std::size_t>(plan.workspace_bytes, 1));
+  EXPECT_EQ(cudaMemset(d_ws.get(), 0, d_ws.bytes()), cudaSuccess);  // RunAttend's counters start at zero
   AttendParams p;
   p.scale = scale;
   p.q = d_q.get();
@@ -248,6 +249,7 @@ TEST(AttendGraphTest, CapturedStepReplaysExactly) {
   d_count.Resize(B * H * 4);
   d_sws.Resize(std::max<std::size_t>(splan.workspace_bytes, 1));
   d_aws.Resize(std::max<std::size_t>(aplan.workspace_bytes, 1));
+  QKV_CUDA_OK(cudaMemset(d_aws.get(), 0, d_aws.bytes()));  // RunAttend's counters start at zero
   d_o.Resize(std::size_t(B) * H * G * D * 2);
   SelectParams sp;
   sp.shape = ss;
