@@ -1,14 +1,21 @@
-// Select on the device, in two launches:
+// Select on the device:
 //  1. ScoreKernel: U_p(q) for every (page, KV head) of every scored sequence,
 //     one thread per head-page keeping 8 partial sums (dimensions j ≡ l mod 8)
 //     added in order at the end: the CPU twin's (score_cpu.cc) float
-//     arithmetic and summation order, so scores match it bit for bit. The G
-//     query heads of a group share each summary read; kMax/kMean aggregate
-//     in place (std::max / sequential sum then divide, as select.cc does).
-//  2. TopKKernel: one block per (sequence, KV head): a radix select over
-//     order-preserving keys (11 + 11 + 10 bits, topk_cpu.cc's digits), then
-//     one ordered pass that emits sink ∪ local ∪ winners ascending; keys equal
-//     to the k-th win in index order. kUnion runs the select per query head
+//     arithmetic and summation order, so scores match it bit for bit. The
+//     summaries are staged through shared memory with coalesced 16-byte loads.
+//     The G query heads of a group share each summary read; kMax/kMean
+//     aggregate in place (std::max / sequential sum then divide, as select.cc
+//     does) and fold each row's key range (min, max) with atomics.
+//  2. HistKernel (kMax/kMean, rows longer than the shared key cache): many
+//     blocks per (sequence, KV head) row build a
+//     histogram of the row's keys over [min, max] in global memory; the row's
+//     last block finds the bin that holds the k-th largest key.
+//  3. TopKKernel: one block per row: gathers the keys of that bin and radix
+//     selects among them (11 + 11 + 10 bits, topk_cpu.cc's digits) the k-th
+//     key and how many keys equal to it win, then one ordered pass emits
+//     sink ∪ local ∪ winners ascending; keys equal to the k-th win in index
+//     order. kUnion runs the radix select per query head over the whole row
 //     and ORs the winners into a byte mask first.
 #include <cub/block/block_scan.cuh>
 
@@ -64,78 +71,39 @@ __device__ inline int SeqOf(const int32_t* indptr, int batch, long long p) {
   return lo;
 }
 
-// Narrow groups (G <= 2): 8 lanes per head-page, lane l summing dimensions
-// j ≡ l (mod 8), lanes then added in order; consecutive lanes read
-// consecutive elements, which measured faster than a thread per page when
-// there is little arithmetic per byte.
-template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(kScoreThreads) ScoreKernelLanes(SelectParams p, float* scores) {
-  const SelectShape& s = p.shape;
-  const int Hkv = s.kv_heads;
-  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
-  const int lane = threadIdx.x & 31;
-  const int l = lane & 7;
-  const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-  const long long warps = (gridDim.x * (long long)blockDim.x) >> 5;
-  const QT* q_all = static_cast<const QT*>(p.q);
-  const SumT* slab = static_cast<const SumT*>(p.summaries);
-  for (long long base = warp * 4; base < items; base += warps * 4) {
-    const long long item = base + (lane >> 3);
-    bool valid = item < items;
-    const long long gp = valid ? item / Hkv : 0;
-    const int h = valid ? int(item % Hkv) : 0;
-    const int b = SeqOf(p.page_indptr, s.batch, gp);
-    const int first = p.page_indptr[b];
-    const int n = p.page_indptr[b + 1] - first;
-    valid = valid && !PolicyFor(s, n).all;
-    float acc[G];
+// Per-row state of the multi-block top-K (kMax/kMean), zeroed by LaunchSelect:
+// the largest key and the complement of the smallest among the row's scored
+// (non-sink, non-local) pages, and the histogram kernel's finish counter.
+struct RowState {
+  uint32_t kmax, kmin_inv, done, pad;
+};
+constexpr int kBins = 2048;  // histogram bins over [kmin, kmax]
+
+// Monotone bin of a key in [kmin, kmin + span]: keys in a higher bin are larger.
+__device__ __forceinline__ int BinOf(uint32_t key, uint32_t kmin, uint32_t span) {
+  return int((uint64_t(key - kmin) * kBins) / (uint64_t(span) + 1));
+}
+
+// Summary staging: a block of kItems threads, one head-page each, loads
+// kPhaseChunks chunks of 8 dimensions (min and max) of all its head-pages
+// into shared memory with 16-byte loads, consecutive threads reading
+// consecutive pieces of a head-page, then each thread scores its own
+// head-page from shared memory (rows padded by 16 bytes: no bank conflicts).
+constexpr int kPhaseChunks = 4;
+template <typename SumT>
+struct Stage {
+  static constexpr int kItems = sizeof(SumT) == 4 ? 128 : 256;
+  static constexpr int kEP = 16 / sizeof(SumT);             // elements per 16-byte piece
+  static constexpr int kLoPieces = kPhaseChunks * 8 / kEP;  // pieces of min per head-page per phase
+  static constexpr int kPieces = 2 * kLoPieces;
+  static constexpr int kStride = kPieces * 16 + 16;
+};
+
+template <typename T>
+__device__ __forceinline__ void Smem8(const unsigned char* row, int first_piece, float* out) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) acc[g] = 0.f;
-    if (valid) {
-      const SumT* lo = slab + ((std::size_t)p.page_ids[gp] * Hkv + h) * 2 * D;
-      const SumT* hi = lo + D;
-      const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
-#pragma unroll 4
-      for (int j = l; j < D; j += 8) {
-        const float mn = ToFloat(lo[j]);
-        const float mx = ToFloat(hi[j]);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float qj = ToFloat(q[g * D + j]);
-          const float a = __fmul_rn(qj, mn);
-          const float c = __fmul_rn(qj, mx);
-          acc[g] = __fadd_rn(acc[g], a > c ? a : c);
-        }
-      }
-    }
-    // Lanes in order, as the CPU adds its 8 partial sums.
-    float score[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float sum = 0.f;
-#pragma unroll
-      for (int m = 0; m < 8; ++m) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, acc[g], (lane & ~7) + m));
-      score[g] = sum;
-    }
-    if (!valid || l != 0) continue;
-    const int i = int(gp - first);
-    if (s.gqa == GqaAgg::kUnion) {
-      float* row = scores + (std::size_t)first * Hkv * G + (std::size_t)h * G * n;
-#pragma unroll
-      for (int g = 0; g < G; ++g) row[(std::size_t)g * n + i] = score[g];
-    } else {
-      float agg = score[0];
-      if (s.gqa == GqaAgg::kMax) {
-#pragma unroll
-        for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
-      } else {
-#pragma unroll
-        for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
-        agg = __fdiv_rn(agg, float(G));
-      }
-      scores[(std::size_t)first * Hkv + (std::size_t)h * n + i] = agg;
-    }
-  }
+  for (int v = 0; v < 8 / kVec16<T>; ++v)
+    Unpack16<T>(*reinterpret_cast<const uint4*>(row + (first_piece + v) * 16), out + v * kVec16<T>);
 }
 
 // Chunk c of 8 elements of a row of T, as floats (one or two 16-byte loads).
@@ -145,54 +113,196 @@ __device__ __forceinline__ void Load8(const T* row, int c, float* out) {
   for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
 }
 
-// One thread per (sequence, KV head, page), pages fastest so a warp shares
-// its queries; the thread walks the summary in 16-byte chunks of 8
-// dimensions, which are exactly one element of each of the CPU's 8 partial
-// sums, so acc[g][l] sees the CPU's sequence of additions.
+// Folds each lane's scored key into its row's key range: per distinct row of
+// the warp, a warp max of key and of ~key, then one atomic each. The whole
+// warp must call it.
+__device__ __forceinline__ void FoldKeyRange(RowState* st, bool todo, int row, uint32_t key) {
+  const int lane = threadIdx.x & 31;
+  unsigned pending = __ballot_sync(0xFFFFFFFFu, todo);
+  while (pending) {
+    const int leader = __ffs(pending) - 1;
+    const int lr = __shfl_sync(0xFFFFFFFFu, row, leader);
+    const bool mine = todo && row == lr;
+    const uint32_t kx = __reduce_max_sync(0xFFFFFFFFu, mine ? key : 0u);
+    const uint32_t kn = __reduce_max_sync(0xFFFFFFFFu, mine ? ~key : 0u);
+    if (lane == leader) {
+      atomicMax(&st[lr].kmax, kx);
+      atomicMax(&st[lr].kmin_inv, kn);
+    }
+    todo = todo && !mine;
+    pending = __ballot_sync(0xFFFFFFFFu, todo);
+  }
+}
+
+// Writes a head-page's scores (kUnion: per query head; else aggregated) and
+// returns the aggregate.
+template <int G>
+__device__ __forceinline__ float StoreScores(const SelectShape& s, float* scores, long long item, int first, int n,
+                                             int h, int i, const float* score) {
+  if (s.gqa == GqaAgg::kUnion) {
+    float* out = scores + (std::size_t)first * s.kv_heads * G + (std::size_t)h * G * n;
+#pragma unroll
+    for (int g = 0; g < G; ++g) out[(std::size_t)g * n + i] = score[g];
+    return score[0];
+  }
+  float agg = score[0];
+  if (s.gqa == GqaAgg::kMax) {
+#pragma unroll
+    for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
+  } else {
+#pragma unroll
+    for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
+    agg = __fdiv_rn(agg, float(G));
+  }
+  scores[item] = agg;
+  return agg;
+}
+
+// Wide groups (G >= 4): one thread per head-page reading its summary
+// directly with 16-byte loads (enough arithmetic per byte to hide the
+// uncoalesced reads better than the staged kernel, measured).
 template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, float* scores) {
+__global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
   const SelectShape& s = p.shape;
   const int Hkv = s.kv_heads;
   const long long items = (long long)p.page_indptr[s.batch] * Hkv;
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
-  for (long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x; item < items;
-       item += (long long)gridDim.x * blockDim.x) {
-    // item = page_indptr[b] * Hkv + h * n + i: also the kMax/kMean output offset.
-    int lo_b = 0, hi_b = s.batch;
-    while (hi_b - lo_b > 1) {
-      const int mid = (lo_b + hi_b) / 2;
-      if ((long long)p.page_indptr[mid] * Hkv <= item) lo_b = mid; else hi_b = mid;
+  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < items;
+       base += (long long)gridDim.x * blockDim.x) {
+    const long long item = base + (threadIdx.x & 31);
+    bool valid = item < items;
+    int b = 0, first = 0, n = 1, h = 0, i = 0;
+    if (valid) {
+      int hi_b = s.batch;
+      while (hi_b - b > 1) {
+        const int mid = (b + hi_b) / 2;
+        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
+      }
+      first = p.page_indptr[b];
+      n = p.page_indptr[b + 1] - first;
+      valid = !PolicyFor(s, n).all;
+      const long long rem = item - (long long)first * Hkv;
+      h = int(rem / n);
+      i = int(rem % n);
     }
-    const int b = lo_b;
-    const int first = p.page_indptr[b];
-    const int n = p.page_indptr[b + 1] - first;
-    if (PolicyFor(s, n).all) continue;
-    const long long rem = item - (long long)first * Hkv;
-    const int h = int(rem / n);
-    const int i = int(rem % n);
-    const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
-    const SumT* hi = lo + D;
+    float agg = 0.f;
+    if (valid) {
+      const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
+      const SumT* hi = lo + D;
+      const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
+      float acc[G][8];
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+#pragma unroll 2
+      for (int c = 0; c < D / 8; ++c) {
+        float mn[8], mx[8];
+        Load8(lo, c, mn);
+        Load8(hi, c, mx);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float qv[8];
+          Load8(q + g * D, c, qv);
+#pragma unroll
+          for (int l = 0; l < 8; ++l) {
+            const float a = __fmul_rn(qv[l], mn[l]);
+            const float e = __fmul_rn(qv[l], mx[l]);
+            acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
+          }
+        }
+      }
+      float score[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float sum = 0.f;
+#pragma unroll
+        for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[g][l]);
+        score[g] = sum;
+      }
+      agg = StoreScores<G>(s, scores, item, first, n, h, i, score);
+    }
+    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
+  }
+}
+
+// Narrow groups (G <= 2), staged: one thread per (sequence, KV head, page), pages fastest; the thread walks
+// its summary in chunks of 8 dimensions, which are exactly one element of
+// each of the CPU's 8 partial sums, so acc[g][l] sees the CPU's sequence of
+// additions. With `st`, also folds each scored key into its row's min/max
+// (warp-reduced per row, then one atomic per row and warp).
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(Stage<SumT>::kItems) ScoreKernel(SelectParams p, float* scores, RowState* st) {
+  using St = Stage<SumT>;
+  __shared__ __align__(16) unsigned char tile[St::kItems * St::kStride];
+  __shared__ long long off[St::kItems];
+  const SelectShape& s = p.shape;
+  const int Hkv = s.kv_heads;
+  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const SumT* slab = static_cast<const SumT*>(p.summaries);
+  for (long long t0 = blockIdx.x * (long long)St::kItems; t0 < items; t0 += (long long)gridDim.x * St::kItems) {
+    // item = page_indptr[b] * Hkv + h * n + i: also the kMax/kMean output offset.
+    const long long item = t0 + threadIdx.x;
+    bool valid = item < items;
+    int b = 0, first = 0, n = 1, h = 0, i = 0;
+    if (valid) {
+      int hi_b = s.batch;
+      while (hi_b - b > 1) {
+        const int mid = (b + hi_b) / 2;
+        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
+      }
+      first = p.page_indptr[b];
+      n = p.page_indptr[b + 1] - first;
+      valid = !PolicyFor(s, n).all;
+      const long long rem = item - (long long)first * Hkv;
+      h = int(rem / n);
+      i = int(rem % n);
+    }
+    off[threadIdx.x] = valid ? ((long long)p.page_ids[first + i] * Hkv + h) * 2 * D : -1;
     const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
     float acc[G][8];
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
       for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-#pragma unroll 2
-    for (int c = 0; c < D / 8; ++c) {
-      float mn[8], mx[8];
-      Load8(lo, c, mn);
-      Load8(hi, c, mx);
+    for (int ph = 0; ph < D / 8 / kPhaseChunks; ++ph) {
+      __syncthreads();  // off[] written; the previous phase's tile consumed
+      uint4 v[St::kPieces];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float qv[8];
-        Load8(q + g * D, c, qv);
+      for (int j = 0; j < St::kPieces; ++j) {
+        const int piece = j * St::kItems + threadIdx.x;
+        const long long o = off[piece / St::kPieces];
+        const int sub = piece % St::kPieces;
+        if (o >= 0)
+          v[j] = Load16(slab + o + (sub / St::kLoPieces) * D + ph * kPhaseChunks * 8 + (sub % St::kLoPieces) * St::kEP);
+      }
 #pragma unroll
-        for (int l = 0; l < 8; ++l) {
-          const float a = __fmul_rn(qv[l], mn[l]);
-          const float e = __fmul_rn(qv[l], mx[l]);
-          acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
+      for (int j = 0; j < St::kPieces; ++j) {
+        const int piece = j * St::kItems + threadIdx.x;
+        if (off[piece / St::kPieces] >= 0)
+          *reinterpret_cast<uint4*>(tile + (piece / St::kPieces) * St::kStride + (piece % St::kPieces) * 16) = v[j];
+      }
+      __syncthreads();
+      if (valid) {
+        const unsigned char* row = tile + threadIdx.x * St::kStride;
+#pragma unroll
+        for (int c = 0; c < kPhaseChunks; ++c) {
+          float mn[8], mx[8];
+          Smem8<SumT>(row, c * (8 / St::kEP), mn);
+          Smem8<SumT>(row, St::kLoPieces + c * (8 / St::kEP), mx);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            float qv[8];
+            Load8(q + g * D, ph * kPhaseChunks + c, qv);
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+              const float a = __fmul_rn(qv[l], mn[l]);
+              const float e = __fmul_rn(qv[l], mx[l]);
+              acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
+            }
+          }
         }
       }
     }
@@ -204,22 +314,8 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(SelectParams p, flo
       for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[g][l]);
       score[g] = sum;
     }
-    if (s.gqa == GqaAgg::kUnion) {
-      float* row = scores + (std::size_t)first * Hkv * G + (std::size_t)h * G * n;
-#pragma unroll
-      for (int g = 0; g < G; ++g) row[(std::size_t)g * n + i] = score[g];
-    } else {
-      float agg = score[0];
-      if (s.gqa == GqaAgg::kMax) {
-#pragma unroll
-        for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
-      } else {
-#pragma unroll
-        for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
-        agg = __fdiv_rn(agg, float(G));
-      }
-      scores[item] = agg;
-    }
+    const float agg = valid ? StoreScores<G>(s, scores, item, first, n, h, i, score) : 0.f;
+    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
   }
 }
 
@@ -229,6 +325,7 @@ struct TopKShared {
   uint32_t hist[2048];
   int pick_bucket;
   int pick_rank;
+  int n_cand;
   typename BlockScan::TempStorage scan;
 };
 
@@ -336,8 +433,75 @@ __device__ int OrderedPass(int n, TopKShared& sh, Eq eq, Take take, Emit emit) {
   return out_base;
 }
 
+// Multi-block histogram of a row's scored keys over kBins bins of
+// [kmin, kmax]: grid (chunks of kHistChunk pages, rows); the row's last block
+// to finish finds the bin holding the k-th largest key and the rank in it.
+constexpr int kHistThreads = 256;
+constexpr int kHistPer = 16;
+constexpr int kHistChunk = kHistThreads * kHistPer;
+using HistScan = cub::BlockScan<int, kHistThreads>;
+
+__global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const float* scores, RowState* st,
+                                                          uint32_t* ghist, int2* pick) {
+  __shared__ uint32_t hist[kBins];
+  __shared__ typename HistScan::TempStorage scan;
+  __shared__ bool last;
+  const SelectShape& s = p.shape;
+  const int row = blockIdx.y;
+  const int b = row / s.kv_heads, h = row % s.kv_heads;
+  const int first = p.page_indptr[b];
+  const RowPolicy r = PolicyFor(s, p.page_indptr[b + 1] - first);
+  const int c0 = blockIdx.x * kHistChunk;
+  if (r.all || r.k == 0 || c0 >= r.n) return;
+  for (int i = threadIdx.x; i < kBins; i += kHistThreads) hist[i] = 0;
+  __syncthreads();
+  const float* rs = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
+  const uint32_t kmin = ~st[row].kmin_inv, span = st[row].kmax - kmin;
+  float x[kHistPer];
+#pragma unroll
+  for (int t = 0; t < kHistPer; ++t) {
+    const int i = c0 + t * kHistThreads + threadIdx.x;
+    x[t] = i < r.n ? __ldg(rs + i) : 0.f;
+  }
+#pragma unroll
+  for (int t = 0; t < kHistPer; ++t) {
+    const int i = c0 + t * kHistThreads + threadIdx.x;
+    if (i < r.n && !Skipped(r, i)) atomicAdd(&hist[BinOf(Key(x[t]), kmin, span)], 1u);
+  }
+  __syncthreads();
+  uint32_t* gh = ghist + (std::size_t)row * kBins;
+  for (int i = threadIdx.x; i < kBins; i += kHistThreads)
+    if (hist[i]) atomicAdd(gh + i, hist[i]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned blocks = unsigned((r.n + kHistChunk - 1) / kHistChunk);
+    last = atomicAdd(&st[row].done, 1u) == blocks - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Thread t owns bins top, top-1, .., top-7 (t = 0: the highest).
+  constexpr int kPer = kBins / kHistThreads;
+  const int top = kBins - 1 - threadIdx.x * kPer;
+  int cnt[kPer], sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sum += cnt[j] = int(__ldcg(gh + top - j));
+  int incl;
+  HistScan(scan).InclusiveSum(sum, incl);
+  const int before = incl - sum;
+  if (before < r.k && r.k <= incl) {
+    int rr = r.k - before, j = 0;
+    while (cnt[j] < rr) rr -= cnt[j++];
+    pick[row] = make_int2(top - j, rr);
+  }
+}
+
+// pick/st non-null (kMax/kMean): HistKernel has found the bin of the k-th
+// key; the block gathers that bin's keys into shared memory and radix-selects
+// among them only.
 __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int key_cache, float* scores,
-                                                            uint8_t* marks) {
+                                                            uint8_t* marks, const RowState* st, const int2* pick) {
   extern __shared__ uint32_t cache[];
   __shared__ TopKShared sh;
   const SelectShape& s = p.shape;
@@ -364,7 +528,46 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
     int ties = 0;
-    for (int a = 0; a < A; ++a) {
+    const bool binned = A == 1 && pick != nullptr;
+    if (binned) {
+      const int2 pk = pick[row];
+      const uint32_t kmin = ~st[row].kmin_inv, span = st[row].kmax - kmin;
+      const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
+      if (threadIdx.x == 0) sh.n_cand = 0;
+      __syncthreads();
+      constexpr int kPer = 8;
+      for (int c0 = 0; c0 < r.n; c0 += kTopKThreads * kPer) {
+        float x[kPer];
+#pragma unroll
+        for (int t = 0; t < kPer; ++t) {
+          const int i = c0 + t * kTopKThreads + threadIdx.x;
+          x[t] = i < r.n ? __ldg(row_scores + i) : 0.f;
+        }
+#pragma unroll
+        for (int t = 0; t < kPer; ++t) {
+          const int i = c0 + t * kTopKThreads + threadIdx.x;
+          if (i < r.n && !Skipped(r, i)) {
+            const uint32_t key = Key(x[t]);
+            if (BinOf(key, kmin, span) == pk.x) {
+              const int j = atomicAdd(&sh.n_cand, 1);
+              if (j < key_cache) cache[CacheSlot(j)] = key;
+            }
+          }
+        }
+      }
+      __syncthreads();
+      const int c = sh.n_cand;
+      if (c <= key_cache) {
+        RowPolicy cr{};
+        cr.n = c;
+        cr.k = pk.y;
+        RadixKth(Keys{nullptr, cache}, cr, sh, &kth, &ties);
+      } else {
+        RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties);
+      }
+      __syncthreads();
+    }
+    for (int a = 0; a < (binned ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
       if (cached) {
         for (int i = threadIdx.x; i < r.n; i += blockDim.x) cache[CacheSlot(i)] = Key(row_scores[i]);
@@ -387,7 +590,7 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
     }
     if (A == 1) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
-      const Keys keys{row_scores, cached ? cache : nullptr};
+      const Keys keys{row_scores, cached && !binned ? cache : nullptr};
       auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
       auto take = [&](int i, int eq_rank) {
         if (Skipped(r, i)) return true;
@@ -449,7 +652,12 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
   }
   const int A = s.gqa == GqaAgg::kUnion ? s.group : 1;
   const std::size_t head_pages = std::size_t(plan->total_pages) * s.kv_heads;
-  plan->workspace_bytes = AlignUp(head_pages * A * sizeof(float)) + (A > 1 ? AlignUp(head_pages) : 0);
+  const std::size_t rows = std::size_t(s.batch) * s.kv_heads;
+  // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks.
+  plan->workspace_bytes = AlignUp(head_pages * A * sizeof(float)) + (A > 1 ? AlignUp(head_pages) : 0) +
+                          (A == 1 ? AlignUp(rows * (sizeof(RowState) + kBins * sizeof(uint32_t))) +
+                                        AlignUp(rows * sizeof(int2))
+                                  : 0);
   plan->score_blocks = std::max(1, num_sms) * 8;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
   return true;
@@ -461,29 +669,55 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   float* scores = static_cast<float*>(p.workspace);
   uint8_t* marks = nullptr;
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
-  if (s.gqa == GqaAgg::kUnion && s.group > 1)
-    marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * s.group * sizeof(float));
+  const bool unioned = s.gqa == GqaAgg::kUnion && s.group > 1;
+  if (unioned) marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * s.group * sizeof(float));
+  // kMax/kMean with long rows: row states, histograms and picks after the scores.
+  RowState* st = nullptr;
+  uint32_t* ghist = nullptr;
+  int2* pick = nullptr;
+  // The multi-block histogram costs a memset and a launch; it pays off only
+  // for rows too long for the top-K block's shared key cache (measured: at
+  // <= 512K tokens the single-block select over cached keys was faster).
+  if (!s.dense && s.gqa != GqaAgg::kUnion && plan.max_pages > plan.key_cache) {
+    char* base = static_cast<char*>(p.workspace) + AlignUp(head_pages * sizeof(float));
+    st = reinterpret_cast<RowState*>(base);
+    ghist = reinterpret_cast<uint32_t*>(base + rows * sizeof(RowState));
+    pick = reinterpret_cast<int2*>(base + AlignUp(std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t))));
+    const cudaError_t e =
+        cudaMemsetAsync(st, 0, std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)), stream);
+    if (e != cudaSuccess) return e;
+  }
   if (!s.dense) {
     QKV_DISPATCH_DTYPE(p.q_dtype, QT, {
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
-            if constexpr (G <= 2)
-              ScoreKernelLanes<QT, SumT, D, G><<<plan.score_blocks, kScoreThreads, 0, stream>>>(p, scores);
-            else
-              ScoreKernel<QT, SumT, D, G><<<plan.score_blocks, kScoreThreads, 0, stream>>>(p, scores);
+            if constexpr (G <= 2) {
+              constexpr int kItems = Stage<SumT>::kItems;
+              const long long tiles = (std::max<long long>(head_pages, 1) + kItems - 1) / kItems;
+              const int blocks = int(std::min<long long>(plan.score_blocks, tiles));
+              ScoreKernel<QT, SumT, D, G><<<blocks, kItems, 0, stream>>>(p, scores, st);
+            } else {
+              const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
+              const int blocks = int(std::min<long long>(plan.score_blocks, need));
+              ScoreKernelDirect<QT, SumT, D, G><<<blocks, 256, 0, stream>>>(p, scores, st);
+            }
           })
         })
       })
     })
     if (marks) ClearMarks<<<plan.score_blocks, 256, 0, stream>>>(marks, p.page_indptr, s.batch, s.kv_heads);
+    if (st) {
+      const dim3 grid((plan.max_pages + kHistChunk - 1) / kHistChunk, rows);
+      HistKernel<<<grid, kHistThreads, 0, stream>>>(p, scores, st, ghist, pick);
+    }
   }
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(TopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  TopKKernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks);
+  TopKKernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick);
   return cudaGetLastError();
 }
 

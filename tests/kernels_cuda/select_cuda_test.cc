@@ -74,7 +74,7 @@ void PrintTo(const SelectCase& c, std::ostream* os) {
       << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "");
 }
 
-void RunSelectCase(const SelectCase& c, uint64_t seed) {
+void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0) {
   const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
   std::mt19937 rng{uint32_t(seed)};
   // Token lengths 1, S-1, S, S+1, 4099 and random ones.
@@ -126,6 +126,10 @@ void RunSelectCase(const SelectCase& c, uint64_t seed) {
   SelectPlan plan;
   std::string err;
   ASSERT_TRUE(PlanSelect(s, counts.data(), NumSms(), &plan, &err)) << err;
+  // A smaller shared key cache forces the multi-block histogram path (rows
+  // longer than the cache) and, when the k-th key's bin overflows it, the
+  // top-K block's fallback over global keys.
+  if (key_cache > 0) plan.key_cache = std::min(plan.key_cache, key_cache);
 
   DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws;
   Upload(d_q, Encode(q, c.q_dtype));
@@ -186,6 +190,7 @@ class SelectCudaTest : public ::testing::TestWithParam<SelectCase> {};
 TEST_P(SelectCudaTest, EqualsCpuTwinExactly) {
   QKV_REQUIRE_GPU();
   for (uint64_t seed : {1u, 2u}) RunSelectCase(GetParam(), 100 * seed + GetParam().batch);
+  for (int key_cache : {8, 256}) RunSelectCase(GetParam(), 300 + key_cache + GetParam().batch, key_cache);
 }
 
 constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16;
