@@ -68,7 +68,11 @@ __global__ void Iota(int32_t* x, size_t n, int32_t stride, int32_t mod) {
 struct Dev {
   void* p = nullptr;
   size_t bytes = 0;
-  explicit Dev(size_t b) : bytes(b) { CHECK(cudaMalloc(&p, std::max<size_t>(b, 16))); }
+  // Zeroed: RunAttend's workspace counters must start at zero.
+  explicit Dev(size_t b) : bytes(b) {
+    CHECK(cudaMalloc(&p, std::max<size_t>(b, 16)));
+    CHECK(cudaMemset(p, 0, std::max<size_t>(b, 16)));
+  }
   ~Dev() { cudaFree(p); }
   template <typename T> T* as() const { return static_cast<T*>(p); }
 };
