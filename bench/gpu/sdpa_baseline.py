@@ -88,7 +88,7 @@ if args.bench_json:
               f"{sdpa / st['step_us']:7.2f}x {ideal:5.2f}x {100 * sp / ideal:7.0f}%")
         c = cross.setdefault(key[:2], [])
         c.append((r["context"], sp >= 1.0))
-    print("speedup columns: best dense of the two / step; % ideal uses the best dense (own or SDPA)")
+    print("vs own: own dense / step; vs sdpa: best SDPA backend / step; % ideal: best dense (own or SDPA) / step / ideal")
     for (geo, b), pts in cross.items():
         pts.sort()
         slower = [t for t, win in pts if not win]
