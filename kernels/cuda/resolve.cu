@@ -15,6 +15,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <climits>
+#include <mutex>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -327,6 +328,21 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
                          cudaStream_t stream) {
   if (piece_bytes % 16 || blocks <= 0)
     return Unsupported("gather piece_bytes (multiple of 16) or blocks", (long long)piece_bytes, "16 * n");
+  // Seen on the H200: attention launched on another stream beside a 10 ms
+  // gather (one 256-thread block per SM) began only after the gather ended,
+  // at normal and high stream priority. The likely cause: the gather needs no
+  // shared memory, so its SMs may run with the smallest shared-memory
+  // carveout, and the attention's blocks (16+ KiB of shared memory) cannot
+  // join them until they drain. Ask for the largest carveout; the gather's
+  // streaming loads gain nothing from L1. Whether this fixes it is not yet
+  // measured (bench/gpu/gather_bench's overlap rows say).
+  constexpr int kMaxDevices = 64;
+  static std::once_flag carveout[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && dev < kMaxDevices)
+    std::call_once(carveout[dev], [] {
+      cudaFuncSetAttribute(GatherKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    });
   GatherKernel<<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, uint32_t(piece_bytes / 16));
   return cudaGetLastError();
 }
