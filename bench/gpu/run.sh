@@ -2,7 +2,7 @@
 # One device call: GPU tests, compute-sanitizer on a small subset, then the
 # benchmarks; a short table last, everything under $OUT.
 #   usage (device machine, repo root): bash bench/gpu/run.sh [bin_dir] [bench args]
-# bin_dir holds questkv_kernels_cuda_test and questkv_gpu_kernels_bench built
+# bin_dir holds questkv_kernels_cuda_test, questkv_gather_bench and questkv_gpu_kernels_bench built
 # for sm_90 (default .device/bin). SAN=0 skips compute-sanitizer; SDPA=0 skips
 # the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py), whose comparison
 # table then comes last.
@@ -30,6 +30,10 @@ elif command -v compute-sanitizer >/dev/null; then
   done
 else
   echo "compute-sanitizer: not found"
+fi
+echo "== miss gather and resolve"
+if [ -x "$BIN/questkv_gather_bench" ]; then
+  "$BIN/questkv_gather_bench" 2>&1 | tee "$OUT/gather.log" | tail -20
 fi
 echo "== bench"
 "$BIN/questkv_gpu_kernels_bench" --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
