@@ -49,6 +49,7 @@ struct RunReport {
   // dense attention over the same K/V, timed beside the Quest call.
   int compared_layers = 0;
   double compared_quest_us = 0, compared_dense_us = 0;  // sums
+  int64_t comparison_hits = 0, comparison_misses = 0;   // cache lookups of those dense calls (not in `tiers`)
   int64_t head_pages_selected = 0;
   int64_t head_pages_total = 0;
   int64_t kv_bytes_read = 0;       // K/V bytes sparse attention read
