@@ -365,18 +365,18 @@ __device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, u
       if (bin != 0xFFFFFFFFu && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&sh.hist[bin], __popc(same));
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const int bins = int(mask) + 1;
-      const int per = bins / 32;
-      const int top = bins - 1 - lane * per;  // lane 0 owns the highest bins
+    {
+      // The whole block finds the bucket: thread t owns `per` (2 or 1)
+      // consecutive bins from the top (thread 0: the highest), one block scan
+      // of their counts; the thread whose bins hold the rank-th largest key
+      // walks them (was: warp 0 walking 64 bins per lane serially).
+      static_assert(kTopKThreads == 1024, "bins per thread assume 1024 threads");
+      const int per = (int(mask) + 1) / kTopKThreads;
+      const int top = int(mask) - int(threadIdx.x) * per;
       int sum = 0;
       for (int t = 0; t < per; ++t) sum += int(sh.hist[top - t]);
-      int incl = sum;
-      for (int off = 1; off < 32; off <<= 1) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-        if (lane >= off) incl += v;
-      }
+      int incl;
+      BlockScan(sh.scan).InclusiveSum(sum, incl);
       const int before = incl - sum;
       if (before < rank && rank <= incl) {
         int rr = rank - before;
