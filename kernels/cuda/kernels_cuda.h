@@ -215,7 +215,10 @@ struct ResolvePlan {
   int gather_blocks = 0;
   std::size_t workspace_bytes = 0;
 };
-// piece_bytes must be a multiple of 16. gather_blocks <= 0 picks the default.
+// piece_bytes must be a multiple of 16. gather_blocks <= 0 picks the default,
+// half the SMs: >= 90% of the pinned copy limit alone on the H200 while
+// leaving SMs to attention on another stream (fewer blocks: less bandwidth,
+// less interference; bench/gpu/gather_bench's overlap rows).
 bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int num_sms, int gather_blocks,
                  ResolvePlan* plan, std::string* error);
 

@@ -14,6 +14,7 @@
 //     in flight per thread before any store (PCIe latency is ~1 µs).
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <climits>
 #include <mutex>
 #include <string>
@@ -28,7 +29,6 @@ namespace {
 constexpr int kRowWarps = 8;  // rows per block in classify / finalize
 constexpr int kAssignThreads = 512;
 constexpr int kGatherThreads = 256;
-constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
 constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
 enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3 };
@@ -269,6 +269,9 @@ __global__ void __launch_bounds__(kRowWarps * 32) FinalizeKernel(ResolveParams p
   if (dropped) atomicAdd(&c->queue_overflows, dropped);
 }
 
+// kGatherUnroll loads in flight per thread: a smaller grid needs more of them
+// to keep the PCIe link busy (LaunchGather picks it from the grid).
+template <int kGatherUnroll>
 __global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* __restrict__ jobs,
                                                                const int32_t* __restrict__ job_count,
                                                                uint32_t piece_vecs) {
@@ -318,7 +321,11 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
   out.entries = entries;
   out.list_slots = list_slots;
   out.piece_bytes = piece;
-  out.gather_blocks = gather_blocks > 0 ? gather_blocks : 4 * (num_sms > 0 ? num_sms : 132);
+  // Default: half the SMs. Measured on the H200 (bench/results/2026-11-29-gpu-tuning.md):
+  // 66 blocks reach 90% of the pinned copy limit alone, and attention beside
+  // the gather runs ~2x slower instead of 4.8x (132 blocks) or 21x (528).
+  const int sms = num_sms > 0 ? num_sms : 132;
+  out.gather_blocks = gather_blocks > 0 ? gather_blocks : std::max(1, sms / 2);
   Carve(nullptr, entries, list_slots, &out.workspace_bytes);
   *plan = out;
   return true;
@@ -328,22 +335,31 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
                          cudaStream_t stream) {
   if (piece_bytes % 16 || blocks <= 0)
     return Unsupported("gather piece_bytes (multiple of 16) or blocks", (long long)piece_bytes, "16 * n");
-  // Seen on the H200: attention launched on another stream beside a 10 ms
-  // gather (one 256-thread block per SM) began only after the gather ended,
-  // at normal and high stream priority. The likely cause: the gather needs no
-  // shared memory, so its SMs may run with the smallest shared-memory
-  // carveout, and the attention's blocks (16+ KiB of shared memory) cannot
-  // join them until they drain. Ask for the largest carveout; the gather's
-  // streaming loads gain nothing from L1. Whether this fixes it is not yet
-  // measured (bench/gpu/gather_bench's overlap rows say).
+  // The largest shared-memory carveout lets attention blocks (16+ KiB of
+  // shared memory) join SMs running the gather, which needs none: measured,
+  // attention beside a gather starts within 0.1-0.5 ms instead of waiting it
+  // out. A gather on every SM still slows that attention several times: keep
+  // the grid small (PlanResolve's default is half the SMs).
+  // Loads in flight per thread from the grid's size against the SM count:
+  // 4 at one block per SM or more, 8 down to half the SMs, 16 below.
   constexpr int kMaxDevices = 64;
-  static std::once_flag carveout[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  static int sm_count[kMaxDevices];
   int dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess && dev < kMaxDevices)
-    std::call_once(carveout[dev], [] {
-      cudaFuncSetAttribute(GatherKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    std::call_once(once[dev], [dev] {
+      for (void* f : {(void*)GatherKernel<4>, (void*)GatherKernel<8>, (void*)GatherKernel<16>})
+        cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+      if (cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sm_count[dev] = 0;
     });
-  GatherKernel<<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, uint32_t(piece_bytes / 16));
+  const int sms = dev < kMaxDevices && sm_count[dev] > 0 ? sm_count[dev] : 132;
+  const uint32_t vecs = uint32_t(piece_bytes / 16);
+  if (blocks >= sms)
+    GatherKernel<4><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
+  else if (2 * blocks >= sms)
+    GatherKernel<8><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
+  else
+    GatherKernel<16><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
   return cudaGetLastError();
 }
 
