@@ -152,8 +152,10 @@ int BenchGather(const Shared& g, std::size_t head_page, double limit, GatherJob*
   CHECK(cudaMemcpy(d_jobs, jobs.data(), jobs.size() * sizeof(GatherJob), cudaMemcpyHostToDevice));
   const int32_t n = int32_t(jobs.size());
   CHECK(cudaMemcpy(d_count, &n, 4, cudaMemcpyHostToDevice));
-  // Check once: a few random jobs' bytes.
-  CHECK(LaunchGather(d_jobs, d_count, head_page / 2, 4 * g.sms, g.s));
+  // Check a few random jobs' bytes at each loads-in-flight depth LaunchGather picks.
+  for (int blocks : {g.sms / 4, g.sms / 2, 4 * g.sms}) {
+  CHECK(cudaMemsetAsync(g.dst, 0, kMissBytes, g.s));
+  CHECK(LaunchGather(d_jobs, d_count, head_page / 2, blocks, g.s));
   CHECK(cudaStreamSynchronize(g.s));
   for (int k = 0; k < 16; ++k) {
     const std::size_t i = rng() % jobs.size();
@@ -166,11 +168,11 @@ int BenchGather(const Shared& g, std::size_t head_page, double limit, GatherJob*
       std::exit(1);
     }
   }
+  }
   // The smallest grid within 3% of the best: what the overlap run uses, so
   // the gather holds as few SMs as it needs.
   std::vector<std::pair<int, double>> runs;
-  for (int per_sm : {1, 2, 4, 8, 16}) {
-    const int blocks = per_sm * g.sms;
+  for (int blocks : {g.sms / 16, g.sms / 8, g.sms / 4, g.sms / 2, g.sms, 4 * g.sms, 16 * g.sms}) {
     const double sec = TimeGather(g, d_jobs, d_count, head_page / 2, blocks);
     runs.push_back({blocks, sec});
     const double gbs = kMissBytes / sec / 1e9;
@@ -190,7 +192,7 @@ int BenchGather(const Shared& g, std::size_t head_page, double limit, GatherJob*
 }
 
 // Every selected head-page misses: fresh tables before each (untimed) run.
-void BenchResolve(const Shared& g, std::size_t head_page, int head_dim, double limit) {
+void BenchResolve(const Shared& g, std::size_t head_page, int head_dim, double limit, int gather_blocks) {
   const int S = 16, H = kHeads, B = kBatch;
   const std::size_t page_bytes = head_page * H;
   const int per_row = int(kMissBytes / head_page / (B * H));
@@ -231,7 +233,7 @@ void BenchResolve(const Shared& g, std::size_t head_page, int head_dim, double l
   ResolveShape shape{B, H, S, head_dim, DType::kF16, ColdPolicy::kDeadline};
   ResolvePlan plan;
   std::string err;
-  if (!PlanResolve(shape, slots, slots, g.sms, 0, &plan, &err)) {
+  if (!PlanResolve(shape, slots, slots, g.sms, gather_blocks, &plan, &err)) {
     std::fprintf(stderr, "%s\n", err.c_str());
     std::exit(1);
   }
@@ -279,10 +281,10 @@ void BenchResolve(const Shared& g, std::size_t head_page, int head_dim, double l
   CHECK(cudaMemcpy(&c, p.counters, sizeof c, cudaMemcpyDeviceToHost));
   const double sec = Median(ms) / 1e3;
   const double gbs = double(slots) * head_page / sec / 1e9;
-  Row("resolve %zu KiB all-miss x %6d (B%d H%d)       %8.1f GB/s  %5.1f%% of h2d  %8.0f us  (misses/run %llu)",
-      head_page >> 10, slots, B, H, gbs, 100 * gbs / limit, sec * 1e6,
+  Row("resolve %zu KiB all-miss x %6d (B%d H%d) grid %4d %8.1f GB/s  %5.1f%% of h2d  %8.0f us  (misses/run %llu)",
+      head_page >> 10, slots, B, H, plan.gather_blocks, gbs, 100 * gbs / limit, sec * 1e6,
       (unsigned long long)(c.misses_host / (g.reps + 1)));
-  Json("{\"bench\":\"resolve\",\"head_page\":" + std::to_string(head_page) + ",\"gbs\":" + std::to_string(gbs) +
+  Json("{\"bench\":\"resolve\",\"head_page\":" + std::to_string(head_page) + ",\"gather_blocks\":" + std::to_string(plan.gather_blocks) + ",\"gbs\":" + std::to_string(gbs) +
        ",\"us\":" + std::to_string(sec * 1e6) + "}");
 }
 
@@ -322,7 +324,6 @@ void BenchOverlap(const Shared& g, const GatherJob* d_jobs, const int32_t* d_cou
   ap.slot_ids = d_ids;
   ap.o = o;
   ap.workspace = ws;
-  const double attend_bytes = double(a.rows) * pages * slot_bytes;
 
   // Calls on stream `st`, each between two events; offsets from `since`.
   struct Call {
@@ -355,14 +356,14 @@ void BenchOverlap(const Shared& g, const GatherJob* d_jobs, const int32_t* d_cou
   launch_calls(g.s, 200);
   std::vector<double> alone;
   for (const Call& c : collect(200, nullptr)) alone.push_back(c.us);
-  const double g_alone = TimeGather(g, d_jobs, d_count, 4096, gather_blocks);
   // Gather on s2, attention calls on `st` launched right behind it; keep the
   // calls that ran entirely inside the gather's interval.
-  auto beside_run = [&](cudaStream_t st, std::vector<double>* beside, double* gather_sec, double* first_start_ms) {
+  auto beside_run = [&](cudaStream_t st, int blocks, std::vector<double>* beside, double* gather_sec,
+                        double* first_start_ms) {
     Timer tg;
     CHECK(cudaDeviceSynchronize());
     CHECK(cudaEventRecord(tg.a, g.s2));
-    CHECK(LaunchGather(d_jobs, d_count, 4096, gather_blocks, g.s2));
+    CHECK(LaunchGather(d_jobs, d_count, 4096, blocks, g.s2));
     CHECK(cudaEventRecord(tg.b, g.s2));
     launch_calls(st, kCalls);
     const auto calls = collect(kCalls, tg.a);
@@ -371,25 +372,25 @@ void BenchOverlap(const Shared& g, const GatherJob* d_jobs, const int32_t* d_cou
     for (const Call& c : calls)
       if (c.start_ms >= 0 && c.end_ms <= *gather_sec * 1e3) beside->push_back(c.us);
   };
-  int lo = 0, hi = 0;
-  CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-  cudaStream_t s_hi;
-  CHECK(cudaStreamCreateWithPriority(&s_hi, cudaStreamNonBlocking, hi));
   const double a0 = Median(alone);
-  for (int prio = 0; prio < 2; ++prio) {
+  // The gather's grid against the attention beside it: a gather holding
+  // every SM slows attention several times; a capped grid leaves SMs free.
+  std::vector<int> grids = {g.sms / 16, g.sms / 8, g.sms / 4, g.sms / 2, g.sms, 4 * g.sms};
+  if (std::find(grids.begin(), grids.end(), gather_blocks) == grids.end()) grids.push_back(gather_blocks);
+  for (int blocks : grids) {
+    const double g_alone = TimeGather(g, d_jobs, d_count, 4096, blocks);
     std::vector<double> beside;
     double g_sec = 0, first = 0;
-    beside_run(prio ? s_hi : g.s, &beside, &g_sec, &first);
+    beside_run(g.s, blocks, &beside, &g_sec, &first);
     const double a1 = beside.empty() ? 0 : Median(beside);
-    Row("overlap attend llama3-8b b=16 budget=2048 (%s prio) alone %6.1f us (%.2f TB/s) | beside gather %6.1f us"
-        "  slowdown %5.1f%%  (%zu calls inside, first began %.2f ms after the gather)",
-        prio ? "high" : "same", a0, attend_bytes / a0 / 1e6, a1, 100 * (a1 / a0 - 1), beside.size(), first);
-    Row("overlap gather 8 KiB grid %d alone %6.1f GB/s | beside attention %6.1f GB/s", gather_blocks,
-        kMissBytes / g_alone / 1e9, kMissBytes / g_sec / 1e9);
-    Json("{\"bench\":\"overlap\",\"attend_priority\":\"" + std::string(prio ? "high" : "same") +
-         "\",\"attend_us_alone\":" + std::to_string(a0) + ",\"attend_us_beside\":" + std::to_string(a1) +
-         ",\"calls_inside\":" + std::to_string(beside.size()) + ",\"gather_gbs_alone\":" +
-         std::to_string(kMissBytes / g_alone / 1e9) + ",\"gather_gbs_beside\":" + std::to_string(kMissBytes / g_sec / 1e9) + "}");
+    Row("overlap grid %4d  gather 8 KiB alone %5.1f GB/s beside %5.1f GB/s | attend llama3-8b b=16 budget=2048 alone"
+        " %6.1f us beside %6.1f us (%4.2fx, %zu calls inside, first began %.2f ms after the gather)",
+        blocks, kMissBytes / g_alone / 1e9, kMissBytes / g_sec / 1e9, a0, a1, a0 > 0 ? a1 / a0 : 0.0, beside.size(),
+        first);
+    Json("{\"bench\":\"overlap\",\"gather_blocks\":" + std::to_string(blocks) + ",\"attend_us_alone\":" +
+         std::to_string(a0) + ",\"attend_us_beside\":" + std::to_string(a1) + ",\"calls_inside\":" +
+         std::to_string(beside.size()) + ",\"gather_gbs_alone\":" + std::to_string(kMissBytes / g_alone / 1e9) +
+         ",\"gather_gbs_beside\":" + std::to_string(kMissBytes / g_sec / 1e9) + "}");
   }
 }
 
@@ -417,8 +418,10 @@ int main(int argc, char** argv) {
   int32_t *count8, *count4;
   const int best8 = BenchGather(g, 8192, limit, &jobs8, &count8);
   BenchGather(g, 4096, limit, &jobs4, &count4);
-  BenchResolve(g, 8192, 128, limit);
-  BenchResolve(g, 4096, 64, limit);
+  for (int blocks : {0, g.sms / 8, g.sms / 4}) {  // 0: PlanResolve's default grid
+    BenchResolve(g, 8192, 128, limit, blocks);
+    BenchResolve(g, 4096, 64, limit, blocks);
+  }
   BenchOverlap(g, jobs8, count8, best8);
   std::printf("\n== table ==\n");
   for (const auto& r : g_table) std::printf("%s\n", r.c_str());

@@ -328,8 +328,10 @@ void BenchSteps(Timer& tm, int reps) {
 int main(int argc, char** argv) {
   const char* json = "gpu_kernels_bench.json";
   int reps = 20;
+  bool select_only = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
+    if (!std::strcmp(argv[i], "--select-only")) select_only = true;
+    else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
   }
   g_json = std::fopen(json, "w");
@@ -340,6 +342,20 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, g_sms, prop.l2CacheSize >> 20);
   Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d}", prop.name, g_sms);
   Timer tm;
+  if (select_only) {  // quick A/B of select: no dense pools, no attention sweep
+    for (const Geo& g : kGeos)
+      for (int batch : {1, 16})
+        for (long long ctx : {8192LL, 32768LL, 131072LL}) {
+          const StepResult r = BenchStep(tm, g, batch, ctx, 2048, reps, false);
+          std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f\n", g.name, batch, ctx,
+                      r.select_us, r.attend_us, r.step_us);
+          Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"select_us\":%.2f,"
+               "\"attend_us\":%.2f,\"step_us\":%.2f}",
+               g.name, batch, ctx, r.select_us, r.attend_us, r.step_us);
+        }
+    std::fclose(g_json);
+    return 0;
+  }
   const double copy = CopyBandwidth(tm);
   BenchAttend(tm, reps);
   BenchSteps(tm, reps);
