@@ -21,25 +21,9 @@ namespace {
 
 using test::ScratchDir;
 
-struct Outcome {
-  int code = -1;
-  std::string out, err;
-};
+using test::Outcome;
 
-Outcome Attend(std::vector<std::string> args) {
-  args.insert(args.begin(), "attend");
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  Outcome o;
-  testing::internal::CaptureStdout();
-  testing::internal::CaptureStderr();
-  o.code = cli::AttendMain(int(args.size()), argv.data());
-  std::fflush(stdout);
-  o.out = testing::internal::GetCapturedStdout();
-  o.err = testing::internal::GetCapturedStderr();
-  return o;
-}
+Outcome Attend(std::vector<std::string> args) { return test::RunCommand(cli::AttendMain, "attend", std::move(args)); }
 
 // K, V [Hkv][T][D], Q [Hq][D], as the values the command will see.
 struct Problem {

@@ -1,4 +1,4 @@
-// Helpers for the CLI tests: a scratch directory per test and raw .npy bytes
+// Helpers for the CLI tests: running a subcommand in-process, raw .npy bytes
 // built by hand (so malformed files can be written on purpose), plus an
 // independent float16 decoding.
 #pragma once
@@ -13,29 +13,31 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/scratch.h"
+
 namespace questkv::test {
 
-// A fresh directory removed when the test ends.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "questkv_cli_XXXXXX").string();
-    char* made = ::mkdtemp(tmpl.data());
-    EXPECT_NE(made, nullptr) << "mkdtemp failed";
-    path_ = tmpl;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-
-  std::string operator/(const std::string& name) const { return (std::filesystem::path(path_) / name).string(); }
-
- private:
-  std::string path_;
+// What a CLI subcommand returned and printed.
+struct Outcome {
+  int code = -1;
+  std::string out, err;
 };
+
+// Runs a subcommand's main in-process with argv = {name, args...}.
+inline Outcome RunCommand(int (*main_fn)(int, char**), const std::string& name, std::vector<std::string> args) {
+  args.insert(args.begin(), name);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  Outcome o;
+  testing::internal::CaptureStdout();
+  testing::internal::CaptureStderr();
+  o.code = main_fn(int(args.size()), argv.data());
+  std::fflush(stdout);
+  o.out = testing::internal::GetCapturedStdout();
+  o.err = testing::internal::GetCapturedStderr();
+  return o;
+}
 
 inline void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

@@ -14,25 +14,9 @@ namespace {
 
 using test::ScratchDir;
 
-struct Outcome {
-  int code = -1;
-  std::string out, err;
-};
+using test::Outcome;
 
-Outcome Probe(std::vector<std::string> args) {
-  args.insert(args.begin(), "probe");
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  Outcome o;
-  testing::internal::CaptureStdout();
-  testing::internal::CaptureStderr();
-  o.code = cli::ProbeMain(int(args.size()), argv.data());
-  std::fflush(stdout);
-  o.out = testing::internal::GetCapturedStdout();
-  o.err = testing::internal::GetCapturedStderr();
-  return o;
-}
+Outcome Probe(std::vector<std::string> args) { return test::RunCommand(cli::ProbeMain, "probe", std::move(args)); }
 
 // Small enough to finish in about a second on two cores.
 std::vector<std::string> Tiny(const ScratchDir& dir, std::vector<std::string> more = {}) {

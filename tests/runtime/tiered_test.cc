@@ -9,6 +9,7 @@
 
 #include "runtime/runtime.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/scratch.h"
 
 namespace questkv {
 namespace {
@@ -141,10 +142,9 @@ TEST(Tiered, DeadlineSkipsColdPagesAndLetsThemLand) {
 }
 
 TEST(Tiered, RealDiskThroughTheDefaultBackend) {
-  char tmpl[] = "/tmp/questkv-tiered-XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  test::ScratchDir dir;
   Config c = Tiny(ColdMissPolicy::kStrict);
-  c.disk_dir = tmpl;
+  c.disk_dir = dir.path();
   auto rt = Runtime::Create(c);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   auto ref = Runtime::Create(Base());
@@ -161,8 +161,7 @@ TEST(Tiered, RealDiskThroughTheDefaultBackend) {
     ASSERT_EQ(o1, o2);
   }
   EXPECT_GT(p.tiered->tier_stats().disk_to_host_bytes, 0);
-  p.tiered.reset();
-  std::filesystem::remove_all(tmpl);
+  p.tiered.reset();  // closes the page files before the directory goes
 }
 
 struct FaultCase {

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/scratch.h"
 #include "tiers/checksum.h"
 #include "tiers/disk_probe.h"
 #include "tiers/disk_tier.h"
@@ -34,25 +35,8 @@ constexpr int kQueueDepth = 8;
 constexpr uint32_t kPages = 32;
 constexpr unsigned char kReadPoison = 0xee;
 
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/questkv-disk-test-XXXXXX";
-    path_ = ::mkdtemp(pattern) ? pattern : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
+using TempDir = test::ScratchDir;
 
- private:
-  std::string path_;
-};
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
 
 std::unique_ptr<IoBackend> Faulty(const FaultPlan& plan, int queue_depth = kQueueDepth) {
   return MakeFaultInjectingBackend(MakeMemoryBackend(queue_depth), plan);
@@ -63,7 +47,7 @@ std::unique_ptr<IoBackend> Faulty(const FaultPlan& plan, int queue_depth = kQueu
 class Harness {
  public:
   explicit Harness(std::unique_ptr<IoBackend> io, uint32_t capacity_slots = 2 * kPages)
-      : region_(static_cast<char*>(std::aligned_alloc(4096, 2 * kPages * kSlotBytes))) {
+      : region_(test::AllocateAligned(2 * kPages * kSlotBytes)) {
     Result<std::unique_ptr<DiskTier>> tier =
         DiskTier::Open({dir_.path() + "/tier", capacity_slots * kSlotBytes, kPageBytes, 3}, std::move(io));
     EXPECT_TRUE(tier.ok()) << tier.status().ToString();
@@ -136,7 +120,7 @@ class Harness {
   }
 
   TempDir dir_;
-  std::unique_ptr<char, FreeDeleter> region_;
+  test::AlignedBytes region_;
   std::unique_ptr<DiskTier> tier_;
   uint32_t generation_[kPages] = {};
 };

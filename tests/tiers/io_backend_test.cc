@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/scratch.h"
 #include "tiers/io_backend.h"
 
 namespace questkv {
@@ -22,29 +23,7 @@ namespace {
 
 constexpr uint32_t kPageBytes = 16384;
 
-class TempDir {
- public:
-  TempDir() {
-    char pattern[] = "/tmp/questkv-io-test-XXXXXX";
-    path_ = ::mkdtemp(pattern) ? pattern : "";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
-
-std::unique_ptr<char, FreeDeleter> AlignedBytes(std::size_t bytes) {
-  return std::unique_ptr<char, FreeDeleter>(static_cast<char*>(std::aligned_alloc(4096, bytes)));
-}
+using TempDir = test::ScratchDir;
 
 void FillRandom(char* p, std::size_t bytes, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -90,7 +69,7 @@ class BackendTest : public testing::TestWithParam<Kind> {
     ASSERT_FALSE(dir_.path().empty());
     paths_ = {dir_.path() + "/a", dir_.path() + "/b"};
     ASSERT_TRUE(io_->OpenFiles(paths_).ok());
-    region_ = AlignedBytes(2 * kPages * std::size_t(kPageBytes));
+    region_ = test::AllocateAligned(2 * kPages * std::size_t(kPageBytes));
     ASSERT_TRUE(io_->RegisterRegion(region_.get(), 2 * kPages * std::size_t(kPageBytes)).ok());
   }
 
@@ -117,7 +96,7 @@ class BackendTest : public testing::TestWithParam<Kind> {
   TempDir dir_;
   std::vector<std::string> paths_;
   std::unique_ptr<IoBackend> io_;
-  std::unique_ptr<char, FreeDeleter> region_;
+  test::AlignedBytes region_;
 };
 
 TEST_P(BackendTest, RoundTripsRandomPagesAtRandomSlots) {
@@ -203,7 +182,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, BackendTest,
 
 TEST(DirectBackends, RejectUnalignedRequests) {
   TempDir dir;
-  auto region = AlignedBytes(4 * kPageBytes);
+  auto region = test::AllocateAligned(4 * kPageBytes);
   for (Kind kind : {Kind::kUring, Kind::kPread}) {
     Result<std::unique_ptr<IoBackend>> io = Make(kind, 4);
     if (!io.ok()) continue;  // io_uring unavailable: covered by the skip above
@@ -256,7 +235,7 @@ std::vector<uint64_t> CompletionOrder(IoBackend* io, char* region, int count) {
 
 TEST(MemoryBackend, ReordersDeterministicallyForASeed) {
   constexpr int kCount = 16;
-  auto region = AlignedBytes(kCount * 4096);
+  auto region = test::AllocateAligned(kCount * 4096);
   std::vector<uint64_t> fifo(kCount);
   std::iota(fifo.begin(), fifo.end(), 0);
   EXPECT_EQ(CompletionOrder(MakeMemoryBackend(kCount).get(), region.get(), kCount), fifo);
@@ -292,7 +271,7 @@ TEST(FaultBackend, ReproducesForASeedAndInjectsEveryKind) {
   plan.read_eio = plan.write_eio = plan.write_enospc = 0.1;
   plan.short_read = plan.short_write = plan.corrupt_read = plan.misdirected_write = 0.1;
   plan.delay = 0.3;
-  auto region = AlignedBytes(64 * 4096);
+  auto region = test::AllocateAligned(64 * 4096);
   const std::vector<IoCompletion> a = FaultRun(plan, region.get());
   const std::vector<IoCompletion> b = FaultRun(plan, region.get());
   ASSERT_EQ(a.size(), 64u);
@@ -316,7 +295,7 @@ TEST(FaultBackend, FailedReadsLeavePoisonNotData) {
   FaultPlan plan;
   plan.read_eio = 1;
   auto io = MakeFaultInjectingBackend(MakeMemoryBackend(4), plan);
-  auto region = AlignedBytes(2 * 4096);
+  auto region = test::AllocateAligned(2 * 4096);
   ASSERT_TRUE(io->OpenFiles(std::vector<std::string>{"x"}).ok());
   ASSERT_TRUE(io->RegisterRegion(region.get(), 2 * 4096).ok());
   std::memset(region.get(), 0x11, 4096);
