@@ -29,6 +29,7 @@ namespace {
 constexpr int kRowWarps = 8;  // rows per block in classify / finalize
 constexpr int kAssignThreads = 512;
 constexpr int kGatherThreads = 256;
+constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
 constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
 enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3 };
@@ -269,9 +270,9 @@ __global__ void __launch_bounds__(kRowWarps * 32) FinalizeKernel(ResolveParams p
   if (dropped) atomicAdd(&c->queue_overflows, dropped);
 }
 
-// kGatherUnroll loads in flight per thread: a smaller grid needs more of them
-// to keep the PCIe link busy (LaunchGather picks it from the grid).
-template <int kGatherUnroll>
+// kGatherUnroll loads in flight per thread. Deeper (8/16 for small grids) was
+// measured and gained nothing (bench/results/2026-11-29-gpu-tuning.md): the
+// limit at small grids is per SM, not per thread.
 __global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* __restrict__ jobs,
                                                                const int32_t* __restrict__ job_count,
                                                                uint32_t piece_vecs) {
@@ -340,26 +341,14 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
   // attention beside a gather starts within 0.1-0.5 ms instead of waiting it
   // out. A gather on every SM still slows that attention several times: keep
   // the grid small (PlanResolve's default is half the SMs).
-  // Loads in flight per thread from the grid's size against the SM count:
-  // 4 at one block per SM or more, 8 down to half the SMs, 16 below.
   constexpr int kMaxDevices = 64;
-  static std::once_flag once[kMaxDevices];
-  static int sm_count[kMaxDevices];
+  static std::once_flag carveout[kMaxDevices];
   int dev = 0;
   if (cudaGetDevice(&dev) == cudaSuccess && dev < kMaxDevices)
-    std::call_once(once[dev], [dev] {
-      for (void* f : {(void*)GatherKernel<4>, (void*)GatherKernel<8>, (void*)GatherKernel<16>})
-        cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-      if (cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sm_count[dev] = 0;
+    std::call_once(carveout[dev], [] {
+      cudaFuncSetAttribute(GatherKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     });
-  const int sms = dev < kMaxDevices && sm_count[dev] > 0 ? sm_count[dev] : 132;
-  const uint32_t vecs = uint32_t(piece_bytes / 16);
-  if (blocks >= sms)
-    GatherKernel<4><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
-  else if (2 * blocks >= sms)
-    GatherKernel<8><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
-  else
-    GatherKernel<16><<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, vecs);
+  GatherKernel<<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, uint32_t(piece_bytes / 16));
   return cudaGetLastError();
 }
 
