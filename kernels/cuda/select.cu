@@ -17,6 +17,10 @@
 //     sink ∪ local ∪ winners ascending; keys equal to the k-th win in index
 //     order. kUnion runs the radix select per query head over the whole row
 //     and ORs the winners into a byte mask first.
+//  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, all rows'
+//  clusters in one wave): 1-3 in one launch, a cluster of 8 blocks per row scoring
+//  into the first block's shared key cache, which then selects and emits.
+#include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -606,6 +610,130 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
   if (threadIdx.x == 0) p.out_count[row] = count;
 }
 
+// Few short rows (kMax/kMean, G <= 4, <= kFuseMaxPages pages, one cluster per
+// row fitting in one wave): one launch. A cluster of kFuseBlocks blocks per
+// row scores the row's pages (G threads per page, one query head each, with
+// ScoreKernelDirect's arithmetic) and writes each key straight into
+// the shared key cache of the cluster's first block (distributed shared
+// memory); after one cluster barrier that block radix-selects over the cached
+// keys and emits the row, as TopKKernel does. No score workspace, no memset.
+constexpr int kFuseBlocks = 8;
+constexpr int kFuseMaxPages = 2048;
+
+template <typename QT, typename SumT, int D, int G>
+__global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThreads)
+    FusedSelectKernel(SelectParams p) {
+  namespace cg = cooperative_groups;
+  extern __shared__ uint32_t cache[];
+  __shared__ TopKShared sh;
+  const SelectShape& s = p.shape;
+  const int row = blockIdx.y;
+  const int b = row / s.kv_heads;
+  const int h = row % s.kv_heads;
+  const int first = p.page_indptr[b];
+  const RowPolicy r = PolicyFor(s, p.page_indptr[b + 1] - first);
+  const int out0 = p.out_indptr[row];
+  const uint32_t* ids = p.page_ids + first;
+  auto emit = [&](int i, int pos) {
+    p.out_pages[out0 + pos] = i;
+    if (p.out_slots) p.out_slots[out0 + pos] = p.hbm_slot[(std::size_t)ids[i] * s.kv_heads + h];
+  };
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  if (r.all || r.k == 0) {  // same branch for the whole cluster: no barrier needed
+    if (rank != 0) return;
+    int count;
+    if (r.all) {
+      for (int i = threadIdx.x; i < r.n; i += blockDim.x) emit(i, i);
+      count = r.n;
+    } else {
+      count = OrderedPass(r.n, sh, [](int) { return false; }, [&](int i, int) { return Skipped(r, i); }, emit);
+    }
+    if (threadIdx.x == 0) p.out_count[row] = count;
+    return;
+  }
+  // Blocks of a cluster may start at different times: none writes into block
+  // 0's shared memory before all have started (arrive now, wait before the
+  // first remote write).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  bool waited = false;
+  {
+    // G threads per page, one query head each (consecutive lanes); the
+    // page's first lane aggregates the G scores in StoreScores' order.
+    constexpr int kPerPass = kTopKThreads / G;
+    uint32_t* dst = cluster.map_shared_rank(cache, 0);
+    const int chunk = (r.n + kFuseBlocks - 1) / kFuseBlocks;
+    const int i0 = int(rank) * chunk;
+    const int i1 = min(r.n, i0 + chunk);
+    const int g = int(threadIdx.x) % G;
+    const QT* q = static_cast<const QT*>(p.q) + ((std::size_t)b * s.kv_heads * G + (std::size_t)h * G + g) * D;
+    const SumT* slab = static_cast<const SumT*>(p.summaries);
+    for (int base = i0; base < i1; base += kPerPass) {  // same trip count in the whole block
+      const int i = base + int(threadIdx.x) / G;
+      const bool active = i < i1 && !Skipped(r, i);
+      float score = 0.f;
+      if (active) {
+        const SumT* lo = slab + ((std::size_t)ids[i] * s.kv_heads + h) * 2 * D;
+        const SumT* hi = lo + D;
+        float acc[8];
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[l] = 0.f;
+#pragma unroll 4
+        for (int c = 0; c < D / 8; ++c) {
+          float mn[8], mx[8], qv[8];
+          Load8(lo, c, mn);
+          Load8(hi, c, mx);
+          Load8(q, c, qv);
+#pragma unroll
+          for (int l = 0; l < 8; ++l) {
+            const float a = __fmul_rn(qv[l], mn[l]);
+            const float e = __fmul_rn(qv[l], mx[l]);
+            acc[l] = __fadd_rn(acc[l], a > e ? a : e);
+          }
+        }
+#pragma unroll
+        for (int l = 0; l < 8; ++l) score = __fadd_rn(score, acc[l]);
+      }
+      float sc[G];
+      sc[0] = score;
+#pragma unroll
+      for (int gg = 1; gg < G; ++gg) sc[gg] = __shfl_down_sync(0xFFFFFFFFu, score, gg);
+      if (!waited) {
+        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+        waited = true;
+      }
+      if (active && g == 0) {
+        float agg = sc[0];  // StoreScores' aggregation, same order
+        if (s.gqa == GqaAgg::kMax) {
+#pragma unroll
+          for (int gg = 1; gg < G; ++gg) agg = agg < sc[gg] ? sc[gg] : agg;
+        } else {
+#pragma unroll
+          for (int gg = 1; gg < G; ++gg) agg = __fadd_rn(agg, sc[gg]);
+          agg = __fdiv_rn(agg, float(G));
+        }
+        dst[CacheSlot(i)] = Key(agg);
+      }
+    }
+  }
+  if (!waited) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  cluster.sync();  // every key is in block 0's cache
+  if (rank != 0) return;
+  uint32_t kth = 0;
+  int ties = 0;
+  const Keys keys{nullptr, cache};
+  RadixKth(keys, r, sh, &kth, &ties);
+  __syncthreads();
+  auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
+  auto take = [&](int i, int eq_rank) {
+    if (Skipped(r, i)) return true;
+    const uint32_t key = keys(i);
+    return key > kth || (key == kth && eq_rank < ties);
+  };
+  const int count = OrderedPass(r.n, sh, eq, take, emit);
+  if (threadIdx.x == 0) p.out_count[row] = count;
+}
+
 // kUnion's marks start cleared; one byte per (page, KV head).
 __global__ void ClearMarks(uint8_t* marks, const int32_t* page_indptr, int batch, int kv_heads) {
   const long long n = (long long)page_indptr[batch] * kv_heads;
@@ -666,6 +794,20 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
+  if (!s.dense && s.gqa != GqaAgg::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
+      plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
+      rows * kFuseBlocks <= std::max(1, plan.score_blocks / 8)) {  // one wave (score_blocks = 8 x SMs)
+    const std::size_t smem = std::size_t(plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
+    const dim3 grid(kFuseBlocks, rows);
+    QKV_DISPATCH_DTYPE(p.q_dtype, T, {
+      QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
+        QKV_DISPATCH_GROUP(s.group, G, {
+          if constexpr (G <= 4) FusedSelectKernel<T, T, D, G><<<grid, kTopKThreads, smem, stream>>>(p);
+        })
+      })
+    })
+    return cudaGetLastError();
+  }
   float* scores = static_cast<float*>(p.workspace);
   uint8_t* marks = nullptr;
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;

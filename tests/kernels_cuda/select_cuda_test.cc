@@ -208,7 +208,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // 4096 winners out of 65536+ pages in sequence 0.
                       SelectCase{1, 2, 4, 128, 16, 4096, GqaAgg::kMax, F16, F16, false, false, 70001},
                       SelectCase{3, 1, 4, 128, 16, 4096, GqaAgg::kMax, F32, F32, true, false, 65536},
-                      SelectCase{1, 1, 4, 64, 16, 1000, GqaAgg::kUnion, F32, F32, false, false, 30000}));
+                      SelectCase{1, 1, 4, 64, 16, 1000, GqaAgg::kUnion, F32, F32, false, false, 30000},
+                      // The fused one-launch path (kMax/kMean, G <= 4, equal dtypes, few rows)
+                      // at its 2048-page limit, and a long row with many equal scores.
+                      SelectCase{1, 2, 4, 128, 16, 512, GqaAgg::kMax, F16, F16, false, false, 2048},
+                      SelectCase{2, 1, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 2000}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
