@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
 
 namespace questkv::kernels::cuda {
@@ -297,8 +298,30 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
   MergeRow<T, D, G>(part, row, splits, &sh_o[0][0][0], static_cast<T*>(p.o), p.lse);
 }
 
-// Per-dtype entry points (attention_{f32,f16,bf16}.cu).
+// The launch for one K/V dtype: sizes become template constants. Each dtype
+// is instantiated in its own translation unit (attention_{f32,f16,bf16}.cu)
+// so the three compile in parallel; `extern template` below keeps other
+// includers from instantiating them again.
 template <typename T>
-cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream);
+cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream) {
+  const AttendShape& s = plan.shape;
+  const dim3 grid(s.rows, plan.splits);
+  const PartialView part = Partials(p.workspace, s.rows, plan.splits, s.group, s.head_dim);
+  QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
+    QKV_DISPATCH_PAGE_SIZE(s.page_size, S, {
+      QKV_DISPATCH_GROUP(s.group, G, {
+        AttendKernel<T, D, S, G>
+            <<<grid, kAttendWarps * 32, 0, stream>>>(p, s.kv_heads, plan.pages_per_split, plan.splits, part);
+      })
+    })
+  })
+  return cudaGetLastError();
+}
+
+#define QKV_ATTEND_INSTANCE(T) \
+  template cudaError_t LaunchAttendTyped<T>(const AttendPlan&, const AttendParams&, cudaStream_t)
+extern template cudaError_t LaunchAttendTyped<float>(const AttendPlan&, const AttendParams&, cudaStream_t);
+extern template cudaError_t LaunchAttendTyped<__half>(const AttendPlan&, const AttendParams&, cudaStream_t);
+extern template cudaError_t LaunchAttendTyped<__nv_bfloat16>(const AttendPlan&, const AttendParams&, cudaStream_t);
 
 }  // namespace questkv::kernels::cuda
