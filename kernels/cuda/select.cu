@@ -34,7 +34,6 @@ namespace questkv::kernels::cuda {
 namespace {
 
 constexpr int kTopKThreads = 1024;
-constexpr int kScoreThreads = 256;
 constexpr int kMaxKeyCache = 47616;  // 192 KiB of keys (with padding) in shared memory
 
 // Per-sequence policy numbers, as select.cc computes them.
@@ -66,14 +65,6 @@ __device__ inline uint32_t Key(float x) {
   return (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0u : key;
 }
 
-__device__ inline int SeqOf(const int32_t* indptr, int batch, long long p) {
-  int lo = 0, hi = batch;  // indptr[lo] <= p < indptr[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (indptr[mid] <= p) lo = mid; else hi = mid;
-  }
-  return lo;
-}
 
 // Per-row state of the multi-block top-K (kMax/kMean), zeroed by LaunchSelect:
 // the largest key and the complement of the smallest among the row's scored
@@ -115,6 +106,25 @@ template <typename T>
 __device__ __forceinline__ void Load8(const T* row, int c, float* out) {
 #pragma unroll
   for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
+}
+
+// One chunk of eq. 2–3 for one query head: acc[l] += max(q_l·min_l, q_l·max_l),
+// rounded exactly as ScorePagesCpu does (its 8 partial sums).
+__device__ __forceinline__ void FoldChunk8(float* acc, const float* qv, const float* mn, const float* mx) {
+#pragma unroll
+  for (int l = 0; l < 8; ++l) {
+    const float a = __fmul_rn(qv[l], mn[l]);
+    const float e = __fmul_rn(qv[l], mx[l]);
+    acc[l] = __fadd_rn(acc[l], a > e ? a : e);
+  }
+}
+
+// The 8 partial sums added in ScorePagesCpu's order.
+__device__ __forceinline__ float SumLanes8(const float* acc) {
+  float sum = 0.f;
+#pragma unroll
+  for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[l]);
+  return sum;
 }
 
 // Folds each lane's scored key into its row's key range: per distinct row of
@@ -209,22 +219,12 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
         for (int g = 0; g < G; ++g) {
           float qv[8];
           Load8(q + g * D, c, qv);
-#pragma unroll
-          for (int l = 0; l < 8; ++l) {
-            const float a = __fmul_rn(qv[l], mn[l]);
-            const float e = __fmul_rn(qv[l], mx[l]);
-            acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
-          }
+          FoldChunk8(acc[g], qv, mn, mx);
         }
       }
       float score[G];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float sum = 0.f;
-#pragma unroll
-        for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[g][l]);
-        score[g] = sum;
-      }
+      for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
       agg = StoreScores<G>(s, scores, item, first, n, h, i, score);
     }
     if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
@@ -300,24 +300,14 @@ __global__ void __launch_bounds__(Stage<SumT>::kItems) ScoreKernel(SelectParams 
           for (int g = 0; g < G; ++g) {
             float qv[8];
             Load8(q + g * D, ph * kPhaseChunks + c, qv);
-#pragma unroll
-            for (int l = 0; l < 8; ++l) {
-              const float a = __fmul_rn(qv[l], mn[l]);
-              const float e = __fmul_rn(qv[l], mx[l]);
-              acc[g][l] = __fadd_rn(acc[g][l], a > e ? a : e);
-            }
+            FoldChunk8(acc[g], qv, mn, mx);
           }
         }
       }
     }
     float score[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float sum = 0.f;
-#pragma unroll
-      for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[g][l]);
-      score[g] = sum;
-    }
+    for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
     const float agg = valid ? StoreScores<G>(s, scores, item, first, n, h, i, score) : 0.f;
     if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
   }
@@ -684,15 +674,9 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
           Load8(lo, c, mn);
           Load8(hi, c, mx);
           Load8(q, c, qv);
-#pragma unroll
-          for (int l = 0; l < 8; ++l) {
-            const float a = __fmul_rn(qv[l], mn[l]);
-            const float e = __fmul_rn(qv[l], mx[l]);
-            acc[l] = __fadd_rn(acc[l], a > e ? a : e);
-          }
+          FoldChunk8(acc, qv, mn, mx);
         }
-#pragma unroll
-        for (int l = 0; l < 8; ++l) score = __fadd_rn(score, acc[l]);
+        score = SumLanes8(acc);
       }
       float sc[G];
       sc[0] = score;
