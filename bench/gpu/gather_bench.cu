@@ -18,19 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu/check.cuh"
 #include "kernels/cuda/kernels_cuda.h"
 
 using namespace questkv::kernels::cuda;
 
-#define CHECK(x)                                                                                     \
-  do {                                                                                               \
-    cudaError_t e_ = (x);                                                                            \
-    if (e_ != cudaSuccess) {                                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_),      \
-                   LastErrorMessage().c_str());                                                      \
-      std::exit(1);                                                                                  \
-    }                                                                                                \
-  } while (0)
 
 namespace {
 
