@@ -150,6 +150,7 @@ struct ResolveCpuParams {
   const uint8_t* slot_pinned = nullptr;  // [slots] tail slots: never victims
   const int32_t* part_indptr = nullptr;  // [batch + 1] slot list of each sequence's partition
   int32_t* part_slots = nullptr;         // least recently used first; reordered by the call
+  int32_t* const* part_lists = nullptr;  // optional [batch]: list b at part_lists[b] instead of part_slots
   void* slots = nullptr;                 // slot pool [slot][2][piece_bytes]
   int32_t* out_slots = nullptr;          // [sel_indptr[rows]] per row: slots to attend, selection order
   int32_t* out_count = nullptr;          // [rows] entries of out_slots used

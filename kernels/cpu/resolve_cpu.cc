@@ -80,7 +80,8 @@ void ResolveCpu(const ResolveCpuParams& p) {
         const int64_t e = p.sel_indptr[r] + i;
         if (state[e] == kMiss && cell(e, r) == int32_t(kClaimBase + e)) owners.push_back(e);
       }
-    std::vector<int32_t> list(p.part_slots + p.part_indptr[b], p.part_slots + p.part_indptr[b + 1]);
+    int32_t* const part = p.part_lists ? p.part_lists[b] : p.part_slots + p.part_indptr[b];
+    std::vector<int32_t> list(part, part + (p.part_indptr[b + 1] - p.part_indptr[b]));
     std::size_t k = 0;
     for (int32_t s : list) {
       if (k == owners.size()) break;
@@ -105,7 +106,7 @@ void ResolveCpu(const ResolveCpuParams& p) {
       const int h = int(std::upper_bound(p.sel_indptr, p.sel_indptr + rows + 1, e) - p.sel_indptr - 1) % H;
       p.hbm_slot[std::size_t(page_of[e]) * H + h] = -1;
     }
-    int32_t* out = p.part_slots + p.part_indptr[b];
+    int32_t* out = part;
     for (int32_t s : list)
       if (p.slot_last_use[s] != p.step) *out++ = s;
     for (int32_t s : list)

@@ -238,6 +238,8 @@ struct ResolveParams {
   const uint8_t* slot_pinned = nullptr;   // [slots] tails: never victims
   const int32_t* part_indptr = nullptr;   // [batch + 1]
   int32_t* part_slots = nullptr;          // [part_indptr[batch]] LRU first; each slot in at most one list
+  int32_t* const* part_lists = nullptr;   // optional [batch]: sequence b's list lives at part_lists[b]
+                                          // (length from part_indptr) instead of in part_slots
   void* slots = nullptr;                  // slot pool [slot][2][S][D]
   int32_t* out_slots = nullptr;           // [sel_indptr[rows]] attention's slot_ids (same indptr)
   int32_t* out_count = nullptr;           // [rows] attention's count
@@ -264,5 +266,45 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
 
 cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,
                                      cudaStream_t stream);
+
+// ==== around the step: table edits, seal copies, conversion (kernels/cuda/tables.cu) ====
+
+// The residency and slot tables of the resolve (same meaning as ResolveParams).
+struct DeviceTables {
+  int32_t* hbm_slot = nullptr;       // [PageId][Hkv]
+  uint32_t* slot_page = nullptr;     // [slots]
+  int32_t* slot_head = nullptr;      // [slots]
+  int64_t* slot_last_use = nullptr;  // [slots]
+  uint8_t* slot_pinned = nullptr;    // [slots]
+  int kv_heads = 0;
+};
+
+enum class TableOp : int32_t {
+  kSet8,        // *(uint8_t*)addr = value
+  kSet32,       // *(int32_t*)addr = value
+  kSet64,       // *(int64_t*)addr = value
+  kDropPage,    // page `value` died: its cached slots become empty, residency cleared
+  kReleaseSlot, // slot `value` leaves its page (residency cleared) and becomes free, unpinned
+};
+struct TableUpdate {
+  void* addr;  // kSet*: a device address
+  int64_t value;
+  TableOp op;
+  int32_t pad;
+};
+// Applies updates[0 .. n) in parallel: no two may touch the same cell.
+cudaError_t LaunchTableUpdates(const TableUpdate* updates, int n, const DeviceTables& tables,
+                               cudaStream_t stream);
+
+// One head-page leaving a slot ([K piece][V piece]) for its host home.
+struct SealJob {
+  const void* slot;
+  void* k_dst;
+  void* v_dst;
+};
+cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, cudaStream_t stream);
+
+// dst[i] = (To) src[i] for n elements.
+cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream);
 
 }  // namespace questkv::kernels::cuda

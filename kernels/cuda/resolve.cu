@@ -140,13 +140,14 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
 
   // Eligible slots in list order take the owned misses in order.
   const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];
+  int32_t* const part = p.part_lists ? p.part_lists[b] - l_begin : p.part_slots;  // indexed by i
   int cands = 0;
   for (int base = l_begin; base < l_end; base += kAssignThreads) {
     const int i = base + tid;
     int elig = 0;
     int32_t s = -1;
     if (i < l_end) {
-      s = p.part_slots[i];
+      s = part[i];
       w.list[i] = s;
       elig = !p.slot_pinned[s] && p.slot_last_use[s] != p.step;
     }
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
     Scan(scan_tmp).ExclusiveSum(unused, rank, total);
     if (i < l_end) {
       const int pos = unused ? unused_before + rank : unused_total + (i - l_begin - unused_before - rank);
-      p.part_slots[l_begin + pos] = w.list[i];
+      part[l_begin + pos] = w.list[i];
     }
     unused_before += total;
     __syncthreads();

@@ -4,8 +4,8 @@
 // be equal after every step. Homes live in mapped pinned memory: the CPU twin
 // reads them through host pointers, the device through its own. Odd sizes,
 // pages shared by two sequences (one fetch for both), disk homes, pinned
-// tails, partitions too small (bypasses), queues too small (overflow), and
-// a step replayed from a captured CUDA graph.
+// tails, partitions too small (bypasses), queues too small (overflow), lists
+// named per sequence (part_lists), and a step replayed from a captured CUDA graph.
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -224,6 +224,16 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
     p.slot_pinned = d_pin.as<uint8_t>();
     p.part_indptr = d_pindptr.as<int32_t>();
     p.part_slots = d_pslots.as<int32_t>();
+    // Odd steps name each sequence's list by its own pointer (the runtime's
+    // way: one device list per partition), here into the same buffer.
+    std::vector<int32_t*> lists;
+    for (int b = 0; b < B; ++b) lists.push_back(d_pslots.as<int32_t>() + t.part_indptr[b]);
+    DeviceBuffer d_lists;
+    Upload(d_lists, lists);
+    if (step % 2 == 1) {
+      p.part_lists = d_lists.as<int32_t* const>();
+      p.part_slots = nullptr;
+    }
     p.slots = d_pool.get();
     p.out_slots = d_out.as<int32_t>();
     p.out_count = d_count.as<int32_t>();

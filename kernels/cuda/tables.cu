@@ -1,0 +1,108 @@
+// Small kernels the CUDA backend (runtime/cuda_backend.cc) needs around the
+// decode-step kernels: batched edits of the device tables, the seal copy
+// (tail slots -> pinned host home, the mirror of the resolve gather) and dtype
+// conversion of host-API inputs and outputs.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dispatch.cuh"
+#include "kernels/cuda/kernels_cuda.h"
+
+namespace questkv::kernels::cuda {
+namespace {
+
+constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
+constexpr int kThreads = 256;
+
+__global__ void TableUpdateKernel(const TableUpdate* __restrict__ ups, int n, DeviceTables t) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const TableUpdate u = ups[i];
+    switch (u.op) {
+      case TableOp::kSet8: *reinterpret_cast<uint8_t*>(u.addr) = uint8_t(u.value); break;
+      case TableOp::kSet32: *reinterpret_cast<int32_t*>(u.addr) = int32_t(u.value); break;
+      case TableOp::kSet64: *reinterpret_cast<int64_t*>(u.addr) = u.value; break;
+      case TableOp::kDropPage: {
+        const uint32_t page = uint32_t(u.value);
+        for (int h = 0; h < t.kv_heads; ++h) {
+          int32_t* cell = t.hbm_slot + std::size_t(page) * t.kv_heads + h;
+          const int32_t s = *cell;
+          if (s < 0) continue;
+          *cell = -1;
+          if (t.slot_page[s] == page) {
+            t.slot_page[s] = kEmptySlot;
+            t.slot_last_use[s] = -1;
+          }
+        }
+        break;
+      }
+      case TableOp::kReleaseSlot: {
+        const int32_t s = int32_t(u.value);
+        const uint32_t page = t.slot_page[s];
+        if (page != kEmptySlot) {
+          int32_t* cell = t.hbm_slot + std::size_t(page) * t.kv_heads + t.slot_head[s];
+          if (*cell == s) *cell = -1;
+        }
+        t.slot_page[s] = kEmptySlot;
+        t.slot_last_use[s] = -1;
+        t.slot_pinned[s] = 0;
+        break;
+      }
+    }
+  }
+}
+
+// Each job: the slot's K piece to k_dst and its V piece to v_dst, 16 bytes a
+// thread, striped over the grid (stores to mapped host memory go over PCIe).
+__global__ void SealCopyKernel(const SealJob* __restrict__ jobs, int n, uint32_t piece_vecs) {
+  const uint32_t job_vecs = 2 * piece_vecs;
+  const uint64_t total = uint64_t(n) * job_vecs;
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < total;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const SealJob& j = jobs[i / job_vecs];
+    const uint32_t within = uint32_t(i % job_vecs);
+    const uint4 v = Load16(static_cast<const uint4*>(j.slot) + within);
+    uint4* dst = within < piece_vecs ? static_cast<uint4*>(j.k_dst) + within
+                                     : static_cast<uint4*>(j.v_dst) + (within - piece_vecs);
+    *dst = v;
+  }
+}
+
+template <typename From, typename To>
+__global__ void ConvertKernel(const From* __restrict__ src, To* __restrict__ dst, std::size_t n) {
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x)
+    dst[i] = FromFloat<To>(ToFloat(src[i]));
+}
+
+int GridFor(std::size_t work) {
+  const std::size_t blocks = (work + kThreads - 1) / kThreads;
+  return int(blocks < 1024 ? (blocks ? blocks : 1) : 1024);
+}
+
+}  // namespace
+
+cudaError_t LaunchTableUpdates(const TableUpdate* updates, int n, const DeviceTables& tables,
+                               cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  TableUpdateKernel<<<GridFor(std::size_t(n)), kThreads, 0, stream>>>(updates, n, tables);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (piece_bytes % 16) return Unsupported("seal copy piece_bytes", (long long)piece_bytes, "multiples of 16");
+  SealCopyKernel<<<GridFor(std::size_t(n) * 2 * (piece_bytes / 16)), kThreads, 0, stream>>>(
+      jobs, n, uint32_t(piece_bytes / 16));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  QKV_DISPATCH_DTYPE(from, From, {
+    QKV_DISPATCH_DTYPE(to, To, {
+      ConvertKernel<From, To><<<GridFor(n), kThreads, 0, stream>>>(static_cast<const From*>(src),
+                                                                   static_cast<To*>(dst), n);
+    })
+  })
+  return cudaGetLastError();
+}
+
+}  // namespace questkv::kernels::cuda
