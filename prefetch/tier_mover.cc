@@ -19,6 +19,49 @@ TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water
   stats_.host_slots_capacity = host_->capacity();
 }
 
+void TierMover::SetHostValid(uint32_t page, bool valid) {
+  Home& h = homes_[page];
+  if (h.host_valid == valid) return;
+  h.host_valid = valid;
+  if (listener_) listener_(page, valid ? host_->data(h.host_slot) : nullptr);
+}
+
+const void* TierMover::HostHome(uint32_t page) const {
+  const Home& h = homes_[page];
+  return h.host_valid ? host_->data(h.host_slot) : nullptr;
+}
+
+void TierMover::NoteSelected(uint32_t page, int64_t step) {
+  Home& h = homes_[page];
+  if (h.last_step != step) ++h.uses;
+  h.last_step = step;
+}
+
+Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t step) {
+  Home& h = homes_[page];
+  assert(h.host_slot == kNoSlot && h.io == Io::kIdle);
+  auto slot = host_->Allocate();
+  if (!slot.ok()) {
+    QKV_RETURN_IF_ERROR(MakeHostRoom(step));
+    slot = host_->Allocate();
+    if (!slot.ok()) return slot.status();
+  }
+  h = Home{};
+  h.host_slot = *slot;
+  h.generation = generation;
+  h.last_step = step - 1;
+  CountHost();
+  return static_cast<void*>(host_->data(*slot));
+}
+
+void TierMover::SealEnd(uint32_t page) {
+  Home& h = homes_[page];
+  assert(h.host_slot != kNoSlot && !h.host_valid);
+  stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
+  h.checksum = PageChecksum(host_->data(h.host_slot), g_.page_bytes(), page, h.generation);
+  SetHostValid(page, true);
+}
+
 void TierMover::CountHost() {
   stats_.host_slots_used = host_->used();
   stats_.host_slots_peak = std::max(stats_.host_slots_peak, host_->used());
@@ -45,11 +88,11 @@ Status TierMover::Seal(uint32_t page, uint32_t generation, int64_t step) {
   stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
   h = Home{};
   h.host_slot = *slot;
-  h.host_valid = true;
   h.generation = generation;
   h.last_step = step - 1;  // sealed, not yet selected: demotable this step
   // Taken while the bytes are known good; checked again right before a write.
   h.checksum = PageChecksum(home, g_.page_bytes(), page, generation);
+  SetHostValid(page, true);
   CountHost();
   return Status::Ok();
 }
@@ -102,7 +145,7 @@ Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int he
 
 Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step) {
   const std::size_t hp = g_.head_page_elems();
-  bool in_hbm = true;
+  bool in_hbm = hbm_ != nullptr;
   for (int head = 0; head < g_.kv_heads && in_hbm; ++head) in_hbm = hbm_->Lookup(page, head) != HbmCache::kNone;
   if (in_hbm) {
     for (int head = 0; head < g_.kv_heads; ++head) {
@@ -113,7 +156,7 @@ Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64
     return Status::Ok();
   }
   QKV_RETURN_IF_ERROR(EnsureHost(page, generation, step));
-  std::memcpy(dst, host_->data(homes_[page].host_slot), g_.page_elems() * sizeof(float));
+  std::memcpy(dst, host_->data(homes_[page].host_slot), g_.page_bytes());
   return Status::Ok();
 }
 
@@ -130,7 +173,8 @@ Status TierMover::Prefetch(uint32_t page) {
 void TierMover::Drop(uint32_t page) {
   Home& h = homes_[page];
   if (h.io != Io::kIdle) (void)WaitIdle(page);  // its outcome no longer matters
-  hbm_->Drop(page);
+  if (hbm_) hbm_->Drop(page);
+  SetHostValid(page, false);
   if (h.host_slot != kNoSlot) host_->Free(h.host_slot);
   if (disk_) disk_->Drop(page);
   h = Home{};
@@ -167,15 +211,15 @@ Status TierMover::Complete(const DiskCompletion& c) {
     // Read in place since the write was queued: keep the host copy for now
     // (a later demotion drops it for free, the disk copy being there).
     if (h.pinned_epoch < read_epoch_) {
+      SetHostValid(c.page_id, false);
       host_->Free(h.host_slot);
       h.host_slot = kNoSlot;
-      h.host_valid = false;
     }
   } else {
     ++stats_.promotions;
     stats_.bytes.disk_to_host += int64_t(g_.page_bytes());
-    h.host_valid = true;
     h.error = Status::Ok();
+    SetHostValid(c.page_id, true);
   }
   CountHost();
   return Status::Ok();
@@ -211,9 +255,9 @@ Status TierMover::Demote(std::size_t target_used, int64_t step) {
     Home& h = homes_[p];
     if (disk_->Holds(p, h.generation)) {
       // Immutable page already on disk: leaving the host costs no write.
+      SetHostValid(p, false);
       host_->Free(h.host_slot);
       h.host_slot = kNoSlot;
-      h.host_valid = false;
       ++stats_.clean_drops;
       --used;
       continue;
@@ -225,9 +269,9 @@ Status TierMover::Demote(std::size_t target_used, int64_t step) {
       if (code != Code::kCorruption) return ticket.status();
       // The host copy no longer matches its seal: it must never be served.
       ++stats_.corruptions;
+      SetHostValid(p, false);
       host_->Free(h.host_slot);
       h.host_slot = kNoSlot;
-      h.host_valid = false;
       h.error = ticket.status();
       --used;
       continue;

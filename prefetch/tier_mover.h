@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -53,17 +54,41 @@ struct HeadSource {
 
 class TierMover {
  public:
-  // `disk` may be null (no disk tier). The mover does not own the tiers.
+  // `disk` may be null (no disk tier). `hbm` is null on the CUDA backend,
+  // whose hbm tier lives on the device (runtime/cuda_backend.h): there the
+  // device resolves and fetches, and the mover keeps the host and disk homes.
+  // The mover does not own the tiers.
   TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t max_pages,
             HbmCache* hbm, SlotArena* host, DiskTier* disk);
+
+  // Called whenever a page's host home becomes readable (its address) or
+  // stops being so (null): the CUDA backend mirrors this into the device's
+  // host_addr table, which its resolve reads.
+  using HomeListener = std::function<void(uint32_t page, const void* home)>;
+  void SetHomeListener(HomeListener listener) { listener_ = std::move(listener); }
 
   // Gives a page that just filled a host home and turns its pinned hbm slots
   // into cached ones. ResourceExhausted when host and disk are both full.
   Status Seal(uint32_t page, uint32_t generation, int64_t step);
+  // The same in two halves, for bytes that arrive from elsewhere (the
+  // device): SealBegin reserves the home and returns it to be filled;
+  // SealEnd, once the bytes have landed, checksums it and makes it readable.
+  // Between the two the page is neither readable nor demotable.
+  Result<void*> SealBegin(uint32_t page, uint32_t generation, int64_t step);
+  void SealEnd(uint32_t page);
+  // Makes the page's host home readable, promoting it from disk and waiting
+  // for it if need be (a cold miss under `strict`).
+  Status EnsureHost(uint32_t page, uint32_t generation, int64_t step);
+  // The page's readable host home, or null (on disk, or mid-promotion).
+  const void* HostHome(uint32_t page) const;
+  // Counts a selection of the page at `step` (demotion order), for the CUDA
+  // backend whose selections the mover does not see one by one.
+  void NoteSelected(uint32_t page, int64_t step);
   // The head-page's bytes for attention at `step`, fetching on a miss.
   Result<HeadSource> Resolve(uint32_t page, uint32_t generation, int head, uint32_t partition, int64_t step);
-  // Copies a page's bytes (layout [2][Hkv][S][D]) to dst from wherever they
-  // are, promoting it from disk (counted like any promotion) if need be.
+  // Copies a page's bytes (layout [2][Hkv][S][D], page_bytes() of the model
+  // dtype) to dst from wherever they are, promoting it from disk (counted
+  // like any promotion) if need be.
   Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
   // A page predicted to be selected soon: if its home is disk and the host
   // has room below its high-water mark, start promoting it (never waits).
@@ -98,9 +123,9 @@ class TierMover {
   Status MakeHostRoom(int64_t step);
   Status Demote(std::size_t target_used, int64_t step);
   Status StartPromotion(uint32_t page);
-  Status EnsureHost(uint32_t page, uint32_t generation, int64_t step);
   void CopyHeadToSlot(uint32_t page, int head, float* slot);
   void CountHost();
+  void SetHostValid(uint32_t page, bool valid);
 
   Geometry g_;
   ColdMissPolicy policy_;
@@ -113,6 +138,7 @@ class TierMover {
   std::vector<uint32_t> order_;
   MoverStats stats_;
   int64_t read_epoch_ = 0;
+  HomeListener listener_;
 };
 
 }  // namespace questkv
