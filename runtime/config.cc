@@ -120,6 +120,14 @@ Result<IoBackendKind> ParseIoBackendKind(std::string_view s) {
   return Status::InvalidArgument("unknown I/O backend '" + std::string(s) + "' (auto, uring, pread)");
 }
 
+std::string_view BackendName(Backend b) { return b == Backend::kCuda ? "cuda" : "cpu"; }
+
+Result<Backend> ParseBackend(std::string_view s) {
+  if (s == "cpu") return Backend::kCpu;
+  if (s == "cuda") return Backend::kCuda;
+  return Status::InvalidArgument("unknown backend '" + std::string(s) + "' (cpu, cuda)");
+}
+
 Status Config::Validate() const {
   QKV_RETURN_IF_ERROR(geometry.Validate());
   QKV_RETURN_IF_ERROR(policy.Validate(geometry));

@@ -80,8 +80,16 @@ enum class IoBackendKind : uint8_t { kAuto, kUring, kPread };
 std::string_view IoBackendKindName(IoBackendKind k);
 Result<IoBackendKind> ParseIoBackendKind(std::string_view s);
 
+// Where the data plane runs. kCpu: host kernels, a bounded host arena stands
+// in for hbm (CI, tests). kCuda: the decode step on the GPU (kernels/cuda),
+// hbm in device memory, host homes in pinned mapped memory.
+enum class Backend : uint8_t { kCpu, kCuda };
+std::string_view BackendName(Backend b);
+Result<Backend> ParseBackend(std::string_view s);
+
 // Everything a Runtime is built from.
 struct Config {
+  Backend backend = Backend::kCpu;
   Geometry geometry;
   SelectionPolicy policy;
   // Bound on pages alive at once across all sequences and layers: sizes the

@@ -9,6 +9,8 @@
 
 #include "kernels/cpu/kernels_cpu.h"
 #include "prefetch/tier_mover.h"
+#include "runtime/cuda_backend.h"
+#include "runtime/half.h"
 #include "tiers/arena.h"
 #include "tiers/disk_tier.h"
 #include "tiers/hbm_cache.h"
@@ -34,6 +36,7 @@ struct Runtime::Impl {
   std::unique_ptr<SlotArena> host;  // homes of sealed pages
   std::unique_ptr<DiskTier> disk;   // null without a disk tier
   std::unique_ptr<TierMover> mover;
+  std::unique_ptr<CudaBackend> cuda;  // the data plane on the GPU; null on the CPU backend
   std::vector<uint8_t> homed;       // [max_pages] sealed and given a host home
   std::vector<uint32_t> pending_seals;  // full pages whose seal waits for room
   int64_t deferred_seals = 0;
@@ -91,6 +94,7 @@ struct Runtime::Impl {
   void Release(PageId id) {
     if (!ids.Unref(id)) return;
     mover->Drop(id);
+    if (cuda) cuda->PageDied(id);
     homed[id] = 0;
     std::erase(pending_seals, id);
   }
@@ -100,8 +104,21 @@ struct Runtime::Impl {
   // Head h's K rows of a tail page (V rows follow at +S*D).
   float* TailHead(PageId id, int h) { return hbm->data(hbm->Lookup(id, h)); }
 
-  // A new private tail holding the first `len` tokens of `src`.
-  Result<PageId> CopyToNewTail(PageId src, int len, uint32_t partition) {
+  // A new private tail holding the first `len` tokens of `src`, which is
+  // sealed or else the tail of `src_partition`.
+  Result<PageId> CopyToNewTail(PageId src, int len, uint32_t partition, uint32_t src_partition) {
+    if (cuda) {
+      QKV_ASSIGN_OR_RETURN(PageId dst, ids.Allocate());
+      Status s = homed[src] ? mover->ReadPage(src, ids.generation(src), page_scratch.data(), step) : Status::Ok();
+      if (s.ok())
+        s = homed[src] ? cuda->TailFromHost(partition, dst, page_scratch.data(), len)
+                       : cuda->CopyTail(src_partition, src, partition, dst, len);
+      if (!s.ok()) {
+        Release(dst);
+        return s;
+      }
+      return dst;
+    }
     QKV_RETURN_IF_ERROR(mover->ReadPage(src, ids.generation(src), page_scratch.data(), step));
     QKV_ASSIGN_OR_RETURN(PageId dst, NewTail(partition));
     const float* k_heads[kernels::kMaxKvHeads];
@@ -180,6 +197,54 @@ struct Runtime::Impl {
     for (int h = 0; h < g.kv_heads; ++h) k_heads[h] = TailHead(tail, h);
     kernels::RebuildSummaryHeadsCpu(k_heads, summaries->page(tail), g.kv_heads, g.head_dim,
                                     int(old_tokens % g.page_size));
+  }
+
+  // The CUDA backend's append; the pages it fills are sealed (homed) on return.
+  Status AppendCuda(PageList& list, uint32_t partition, const void* k, const void* v, int64_t n, bool host_f32) {
+    const int64_t first = list.tokens / g.page_size;
+    QKV_RETURN_IF_ERROR(cuda->Append(partition, list, k, v, n, host_f32, step));
+    for (int64_t p = first; p < list.tokens / g.page_size; ++p) homed[list.pages[p]] = 1;
+    return Status::Ok();
+  }
+
+  // The CUDA backend's decode step over the checked batch (lists, list_partitions).
+  Status DecodeCuda(int layer, const void* q, void* out, bool host_f32, bool dense,
+                    std::vector<PageSelection>* selections, AttendStats* stats) {
+    for (std::size_t i = 0; i < list_partitions.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (list_partitions[i] == list_partitions[j])
+          return Status::InvalidArgument("the CUDA backend needs distinct sequences in a batch");
+    CudaBackend::Step st;
+    st.partitions = list_partitions;
+    st.lists = lists;
+    st.layer = layer;
+    st.dense = dense;
+    st.q = q;
+    st.out = out;
+    st.host_f32 = host_f32;
+    st.step = step;
+    st.selections = selections;
+    int64_t selected = 0;
+    if (stats) {
+      st.select_us = &stats->select_us;
+      st.resolve_us = &stats->resolve_us;
+      st.attend_us = &stats->attend_us;
+    }
+    st.selected = &selected;
+    QKV_RETURN_IF_ERROR(cuda->DecodeStep(st));
+    if (stats) {
+      const int64_t pages_budget = config.policy.page_budget(layer, g.page_size);
+      stats->head_pages_selected += selected;
+      for (const PageList* l : lists) {
+        const int64_t pages = int64_t(l->pages.size());
+        stats->head_pages_total += pages * g.kv_heads;
+        if (!dense && !config.policy.is_dense(layer) && pages_budget < pages)
+          stats->summary_bytes_read += pages * int64_t(g.summary_elems() * sizeof(float));
+      }
+      // Whole head-pages (a tail is counted whole): what the kernel reads.
+      stats->kv_bytes_read += selected * int64_t(2 * g.head_page_elems() * DTypeBytes(g.dtype));
+    }
+    return Status::Ok();
   }
 
   // ---- attention ---------------------------------------------------------------
@@ -280,19 +345,24 @@ Result<std::unique_ptr<IoBackend>> MakeBackend(const Config& c) {
 
 Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::unique_ptr<IoBackend> io) {
   QKV_RETURN_IF_ERROR(config.Validate());
-  if (config.geometry.dtype != DType::kF32)
+  const bool on_gpu = config.backend == Backend::kCuda;
+  if (!on_gpu && config.geometry.dtype != DType::kF32)
     return Status::Unimplemented("the CPU backend stores K/V as f32; " +
                                  std::string(DTypeName(config.geometry.dtype)) + " needs the CUDA backend");
   const Geometry& g = config.geometry;
   auto impl = std::make_unique<Impl>(config);
-  QKV_ASSIGN_OR_RETURN(impl->summaries, SummarySlab::Create(config.max_pages, g.kv_heads, g.head_dim));
+  if (!on_gpu) {  // the CUDA backend keeps summaries and hbm on the device
+    QKV_ASSIGN_OR_RETURN(impl->summaries, SummarySlab::Create(config.max_pages, g.kv_heads, g.head_dim));
+    const std::size_t head_page_bytes = 2 * g.head_page_elems() * sizeof(float);
+    const uint64_t all_heads = uint64_t(config.max_pages) * g.kv_heads;
+    const uint64_t hbm_slots =
+        config.hbm_bytes ? std::min<uint64_t>(config.hbm_bytes / head_page_bytes, all_heads) : all_heads;
+    QKV_ASSIGN_OR_RETURN(impl->hbm,
+                         HbmCache::Create(uint32_t(hbm_slots), 2 * g.head_page_elems(), config.max_pages, g.kv_heads));
+  }
 
-  const std::size_t head_page_bytes = 2 * g.head_page_elems() * sizeof(float);
-  const uint64_t all_heads = uint64_t(config.max_pages) * g.kv_heads;
-  const uint64_t hbm_slots = config.hbm_bytes ? std::min<uint64_t>(config.hbm_bytes / head_page_bytes, all_heads) : all_heads;
-  QKV_ASSIGN_OR_RETURN(impl->hbm, HbmCache::Create(uint32_t(hbm_slots), 2 * g.head_page_elems(), config.max_pages, g.kv_heads));
-
-  const std::size_t host_slot_elems = (g.page_elems() + kIoAlignFloats - 1) / kIoAlignFloats * kIoAlignFloats;
+  const std::size_t page_floats = (g.page_bytes() + sizeof(float) - 1) / sizeof(float);
+  const std::size_t host_slot_elems = (page_floats + kIoAlignFloats - 1) / kIoAlignFloats * kIoAlignFloats;
   const std::size_t host_slot_bytes = host_slot_elems * sizeof(float);
   const uint64_t host_slots = config.host_bytes ? std::min<uint64_t>(config.host_bytes / host_slot_bytes, config.max_pages)
                                                 : config.max_pages;
@@ -312,6 +382,11 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::uniq
   }
   impl->mover = std::make_unique<TierMover>(g, config.cold_miss, config.host_high_water, config.host_low_water,
                                             config.max_pages, impl->hbm.get(), impl->host.get(), impl->disk.get());
+  if (on_gpu) {
+    QKV_ASSIGN_OR_RETURN(impl->cuda, CudaBackend::Create(config, &impl->ids, impl->mover.get(), impl->host.get()));
+    CudaBackend* cuda = impl->cuda.get();
+    impl->mover->SetHomeListener([cuda](uint32_t page, const void* home) { cuda->SetHome(page, home); });
+  }
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 
@@ -322,7 +397,19 @@ Result<SeqId> Runtime::CreateSequence() {
   const SeqId id = I.next_seq++;
   Impl::Sequence& s = I.seqs[id];
   s.layers.resize(I.g.layers);
-  for (int l = 0; l < I.g.layers; ++l) s.partitions.push_back(I.hbm->AddPartition());
+  for (int l = 0; l < I.g.layers; ++l) {
+    if (!I.cuda) {
+      s.partitions.push_back(I.hbm->AddPartition());
+      continue;
+    }
+    auto part = I.cuda->AddPartition();
+    if (!part.ok()) {
+      for (uint32_t p : s.partitions) I.cuda->RemovePartition(p);
+      I.seqs.erase(id);
+      return part.status();
+    }
+    s.partitions.push_back(*part);
+  }
   return id;
 }
 
@@ -342,6 +429,7 @@ Result<SeqId> Runtime::CreateFromPrefix(SeqId parent, int64_t pages) {
     dst.pages.assign(src.layers[l].pages.begin(), src.layers[l].pages.begin() + pages);
     dst.tokens = pages * I.g.page_size;
     for (PageId pid : dst.pages) I.ids.Ref(pid);
+    if (I.cuda) QKV_RETURN_IF_ERROR(I.cuda->SetPages(child.partitions[l], dst.pages));
   }
   return id;
 }
@@ -357,7 +445,8 @@ Result<SeqId> Runtime::Fork(SeqId parent) {
   for (int l = 0; l < I.g.layers; ++l) {
     const PageList& src = p.layers[l];
     if (src.tokens % I.g.page_size == 0) continue;
-    auto copy = I.CopyToNewTail(src.pages.back(), src.last_page_len(I.g.page_size), child.partitions[l]);
+    auto copy = I.CopyToNewTail(src.pages.back(), src.last_page_len(I.g.page_size), child.partitions[l],
+                                p.partitions[l]);
     if (!copy.ok()) {
       for (PageId t : tails)
         if (t != kNoPage) I.Release(t);
@@ -376,6 +465,7 @@ Result<SeqId> Runtime::Fork(SeqId parent) {
         I.ids.Ref(pid);
       }
     }
+    if (I.cuda) QKV_RETURN_IF_ERROR(I.cuda->SetPages(child.partitions[l], dst.pages));
   }
   return id;
 }
@@ -398,7 +488,7 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     if (keep % S == 0) continue;
     const PageId tail = list.pages[keep / S];
     if (!I.homed[tail] && I.ids.refcount(tail) == 1) continue;  // still a pinned tail: edit in place
-    auto copy = I.CopyToNewTail(tail, int(keep % S), s->partitions[l]);
+    auto copy = I.CopyToNewTail(tail, int(keep % S), s->partitions[l], s->partitions[l]);
     if (!copy.ok()) {
       for (PageId c : copies)
         if (c != kNoPage) I.Release(c);
@@ -420,11 +510,18 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
       tail = copies[l];
       continue;
     }
+    assert(!I.cuda || I.homed[tail] == 0);
     std::erase(I.pending_seals, tail);  // a full page awaiting its seal is a tail again
+    if (I.cuda) {
+      QKV_RETURN_IF_ERROR(I.cuda->TruncateTail(s->partitions[l], tail, int(keep % S)));
+      continue;
+    }
     const float* k_heads[kernels::kMaxKvHeads];
     for (int h = 0; h < I.g.kv_heads; ++h) k_heads[h] = I.TailHead(tail, h);
     kernels::RebuildSummaryHeadsCpu(k_heads, I.summaries->page(tail), I.g.kv_heads, I.g.head_dim, int(keep % S));
   }
+  if (I.cuda)
+    for (int l = 0; l < I.g.layers; ++l) QKV_RETURN_IF_ERROR(I.cuda->SetPages(s->partitions[l], s->layers[l].pages));
   return Status::Ok();
 }
 
@@ -432,7 +529,13 @@ Status Runtime::Free(SeqId seq) {
   Impl& I = *impl_;
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
   for (PageList& list : s->layers) I.ReleaseAll(list.pages);
-  for (uint32_t part : s->partitions) I.hbm->RemovePartition(part);
+  for (uint32_t part : s->partitions) {
+    if (I.cuda) {
+      I.cuda->RemovePartition(part);
+    } else {
+      I.hbm->RemovePartition(part);
+    }
+  }
   I.seqs.erase(seq);
   return Status::Ok();
 }
@@ -447,7 +550,18 @@ Status Runtime::Append(SeqId seq, int layer, const float* k, const float* v, int
   // The page being filled is a private pinned tail: fork and rollback copy.
   assert(list.tokens % I.g.page_size == 0 ||
          (I.ids.refcount(list.pages.back()) == 1 && !I.homed[list.pages.back()]));
+  if (I.cuda) return I.AppendCuda(list, s->partitions[layer], k, v, n, /*host_f32=*/true);
   return I.AppendToList(list, s->partitions[layer], k, v, n);
+}
+
+Status Runtime::AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n) {
+  Impl& I = *impl_;
+  if (!I.cuda) return Status::FailedPrecondition("AppendDevice needs the CUDA backend");
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
+  QKV_RETURN_IF_ERROR(I.CheckLayer(layer));
+  if (n < 1) return Status::InvalidArgument("append of " + std::to_string(n) + " tokens");
+  if (!k || !v) return Status::InvalidArgument("null K or V pointer");
+  return I.AppendCuda(s->layers[layer], s->partitions[layer], k, v, n, /*host_f32=*/false);
 }
 
 Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
@@ -456,6 +570,7 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
   QKV_RETURN_IF_ERROR(I.BeginStep());
   const Impl::StepEnd end{I};
+  if (I.cuda) return I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/false, selections, stats);
   const Geometry& g = I.g;
   if (selections) selections->resize(seqs.size());
   PageSelection local;
@@ -489,11 +604,26 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
   return Status::Ok();
 }
 
+Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
+                                      std::vector<PageSelection>* selections, AttendStats* stats) {
+  Impl& I = *impl_;
+  if (!I.cuda) return Status::FailedPrecondition("DecodeAttentionDevice needs the CUDA backend");
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, static_cast<const float*>(q), static_cast<const float*>(out)));
+  QKV_RETURN_IF_ERROR(I.BeginStep());
+  const Impl::StepEnd end{I};
+  return I.DecodeCuda(layer, q, out, /*host_f32=*/false, /*dense=*/false, selections, stats);
+}
+
 Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out) {
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
   QKV_RETURN_IF_ERROR(I.BeginStep());
   const Impl::StepEnd end{I};
+  if (I.cuda) {
+    if (I.config.cold_miss != ColdMissPolicy::kStrict && I.disk)
+      return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
+    return I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/true, nullptr, nullptr);
+  }
   const ColdMissPolicy policy = I.config.cold_miss;
   std::vector<int32_t> all;
   for (int b = 0; b < I.csr.batch(); ++b) {
@@ -530,14 +660,24 @@ Result<DenseView> Runtime::Gather(SeqId seq, int layer) const {
   const std::size_t T = std::size_t(list.tokens), D = g.head_dim;
   view.k.resize(std::size_t(g.kv_heads) * T * D);
   view.v.resize(view.k.size());
+  std::vector<float> converted(g.dtype == DType::kF32 ? 0 : g.page_elems());
   for (std::size_t p = 0; p < list.pages.size(); ++p) {
     const PageId id = list.pages[p];
-    QKV_RETURN_IF_ERROR(I.mover->ReadPage(id, I.ids.generation(id), I.page_scratch.data(), I.step));
+    if (I.cuda && !I.homed[id]) {
+      QKV_RETURN_IF_ERROR(I.cuda->ReadTail(s->partitions[layer], id, I.page_scratch.data()));
+    } else {
+      QKV_RETURN_IF_ERROR(I.mover->ReadPage(id, I.ids.generation(id), I.page_scratch.data(), I.step));
+    }
+    const float* page = I.page_scratch.data();
+    if (!converted.empty()) {
+      ToFloats(page, g.dtype, converted.size(), converted.data());
+      page = converted.data();
+    }
     const int len = p + 1 == list.pages.size() ? list.last_page_len(g.page_size) : g.page_size;
     for (int h = 0; h < g.kv_heads; ++h) {
       const std::size_t dst = (std::size_t(h) * T + p * g.page_size) * D;
-      std::memcpy(view.k.data() + dst, I.page_scratch.data() + h * I.hp(), len * D * sizeof(float));
-      std::memcpy(view.v.data() + dst, I.page_scratch.data() + (g.kv_heads + h) * I.hp(), len * D * sizeof(float));
+      std::memcpy(view.k.data() + dst, page + h * I.hp(), len * D * sizeof(float));
+      std::memcpy(view.v.data() + dst, page + (g.kv_heads + h) * I.hp(), len * D * sizeof(float));
     }
   }
   return view;
@@ -546,6 +686,12 @@ Result<DenseView> Runtime::Gather(SeqId seq, int layer) const {
 Result<std::vector<float>> Runtime::Summary(uint32_t page_id) const {
   const Impl& I = *impl_;
   if (!I.ids.live(page_id)) return Status::NotFound("page " + std::to_string(page_id) + " is not live");
+  if (I.cuda) {
+    std::vector<float> out(I.g.summary_elems());
+    const PageId one[1] = {page_id};
+    QKV_RETURN_IF_ERROR(I.cuda->ReadSummaries(one, out.data()));
+    return out;
+  }
   const float* s = I.summaries->page(page_id);
   return std::vector<float>(s, s + I.g.summary_elems());
 }
@@ -559,28 +705,51 @@ Result<std::vector<float>> Runtime::Scores(SeqId seq, int layer, const float* q)
   const PageList& list = s->layers[layer];
   const int P = int(list.pages.size()), G = g.group();
   std::vector<float> scores(std::size_t(g.q_heads) * P);
+  // The CUDA backend's summaries live on the device: score a compact copy.
+  std::vector<float> compact;
+  std::vector<uint32_t> local;
+  const float* slab = I.cuda ? nullptr : I.summaries->base();
+  const uint32_t* ids = list.pages.data();
+  if (I.cuda) {
+    compact.resize(std::size_t(P) * g.summary_elems());
+    QKV_RETURN_IF_ERROR(I.cuda->ReadSummaries(list.pages, compact.data()));
+    for (int p = 0; p < P; ++p) local.push_back(uint32_t(p));
+    slab = compact.data();
+    ids = local.data();
+  }
   for (int h = 0; h < g.kv_heads; ++h)
-    kernels::ScorePagesCpu(q + std::size_t(h) * G * g.head_dim, G, g.head_dim, I.summaries->base(), g.kv_heads, h,
-                           list.pages.data(), P, scores.data() + std::size_t(h) * G * P);
+    kernels::ScorePagesCpu(q + std::size_t(h) * G * g.head_dim, G, g.head_dim, slab, g.kv_heads, h, ids, P,
+                           scores.data() + std::size_t(h) * G * P);
   return scores;
 }
 
 TierStats Runtime::tier_stats() const {
   const Impl& I = *impl_;
   const MoverStats& m = I.mover->stats();
-  const HbmStats& h = I.hbm->stats();
   TierStats t;
   t.host_to_hbm_bytes = m.bytes.host_to_hbm;
   t.hbm_to_host_bytes = m.bytes.hbm_to_host;
   t.host_to_disk_bytes = m.bytes.host_to_disk;
   t.disk_to_host_bytes = m.bytes.disk_to_host;
-  t.hbm_hits = h.hits, t.hbm_misses = h.misses, t.hbm_evictions = h.evictions, t.hbm_bypasses = h.bypasses;
-  t.cold_misses = m.cold_misses, t.cold_stalls = m.cold_stalls, t.pages_skipped = m.pages_skipped;
+  if (I.cuda) {
+    // hbm is the device's: its counters and its slot pool.
+    const CudaCounters c = I.cuda->counters();
+    t.host_to_hbm_bytes = c.bytes_host_to_hbm;
+    t.hbm_hits = c.hits, t.hbm_misses = c.misses_host + c.misses_disk, t.hbm_evictions = c.evictions;
+    t.cold_misses = c.misses_disk, t.cold_stalls = c.cold_stalls, t.pages_skipped = c.pages_skipped;
+    t.hbm_capacity_bytes = c.slots_capacity * c.slot_bytes, t.hbm_peak_bytes = c.slots_peak * c.slot_bytes;
+    t.hbm_used_bytes = c.slots_used * c.slot_bytes;
+  } else {
+    const HbmStats& h = I.hbm->stats();
+    const uint64_t hs = I.hbm->slot_bytes();
+    t.hbm_hits = h.hits, t.hbm_misses = h.misses, t.hbm_evictions = h.evictions, t.hbm_bypasses = h.bypasses;
+    t.cold_misses = m.cold_misses, t.cold_stalls = m.cold_stalls, t.pages_skipped = m.pages_skipped;
+    t.hbm_capacity_bytes = h.slots_capacity * hs, t.hbm_peak_bytes = h.slots_peak * hs, t.hbm_used_bytes = h.slots_used * hs;
+  }
   t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops, t.prefetches = m.prefetches;
   t.deferred_seals = I.deferred_seals;
   t.io_errors = m.io_errors, t.corruptions = m.corruptions;
-  const uint64_t hs = I.hbm->slot_bytes(), ps = I.host->slot_bytes();
-  t.hbm_capacity_bytes = h.slots_capacity * hs, t.hbm_peak_bytes = h.slots_peak * hs, t.hbm_used_bytes = h.slots_used * hs;
+  const uint64_t ps = I.host->slot_bytes();
   t.host_capacity_bytes = m.host_slots_capacity * ps, t.host_peak_bytes = m.host_slots_peak * ps;
   t.host_used_bytes = m.host_slots_used * ps;
   if (I.disk) {
@@ -588,7 +757,7 @@ TierStats Runtime::tier_stats() const {
     const uint64_t ds = I.disk->slot_bytes();
     t.disk_capacity_bytes = d.slots_capacity * ds, t.disk_peak_bytes = d.slots_peak * ds, t.disk_used_bytes = d.slots_used * ds;
   }
-  t.summary_bytes = uint64_t(I.ids.live_count()) * I.summaries->page_bytes();
+  t.summary_bytes = uint64_t(I.ids.live_count()) * I.g.summary_elems() * sizeof(float);
   return t;
 }
 

@@ -1,9 +1,11 @@
 // questkv::Runtime — the KV cache manager and decode-attention backend.
 //
 // A Runtime owns the page-id space, the summary slab (always resident), the
-// three tiers — hbm (on the CPU backend a bounded host arena of head-page
+// three tiers — hbm (device memory on the CUDA backend, runtime/
+// cuda_backend.h; on the CPU backend a bounded host arena of head-page
 // slots: tails plus a cache), host (homes of sealed pages) and optionally
-// disk — and the sequences. Sequences are
+// disk — and the sequences. The host-pointer API takes and returns f32 on
+// both backends (the CUDA backend converts to and from the model dtype). Sequences are
 // named by SeqId. K/V enter per layer, token-major [n][Hkv][D]; decode
 // attention takes queries [B][Hq][D] for a batch of sequences at one layer and
 // writes outputs [B][Hq][D].
@@ -94,7 +96,17 @@ class Runtime {
                          std::vector<PageSelection>* selections = nullptr,
                          AttendStats* stats = nullptr);
 
-  // Dense attention over every token (the reference path), same shapes.
+  // CUDA backend only (FailedPrecondition otherwise): Append and
+  // DecodeAttention on device memory in the geometry's dtype — k, v
+  // [n][Hkv][D]; q, out [B][Hq][D] — for engines whose tensors live on the
+  // GPU. They return with the work complete.
+  Status AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n);
+  Status DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
+                               std::vector<PageSelection>* selections = nullptr, AttendStats* stats = nullptr);
+
+  // Dense attention over every token (the reference path), same shapes. On
+  // the CUDA backend it goes through hbm like any step, so hbm must hold every
+  // page of the batch's sequences at that layer.
   Status DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out);
 
   // Tokens held by a sequence in a layer.

@@ -1,0 +1,969 @@
+// The CUDA backend's data plane (runtime/cuda_backend.h). Plain C++ against
+// the CUDA runtime API; every kernel comes from kernels/cuda.
+#include "runtime/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+#include <unordered_map>
+
+#include "kernels/cpu/kernels_cpu.h"
+#include "kernels/cuda/kernels_cuda.h"
+#include "prefetch/tier_mover.h"
+#include "runtime/half.h"
+#include "tiers/arena.h"
+
+namespace questkv {
+
+namespace {
+
+namespace kc = kernels::cuda;
+
+static_assert(int(kc::DType::kF32) == int(DType::kF32) && int(kc::DType::kF16) == int(DType::kF16) &&
+              int(kc::DType::kBF16) == int(DType::kBF16));
+static_assert(int(kc::GqaAgg::kMax) == int(GqaMode::kMax) && int(kc::GqaAgg::kMean) == int(GqaMode::kMean) &&
+              int(kc::GqaAgg::kUnion) == int(GqaMode::kUnion));
+
+constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
+constexpr int kStagingPages = 64;  // pages a prefill chunk passes through at once
+
+Status CudaStatus(const char* what, cudaError_t e) {
+  std::string m = std::string(what) + ": " + cudaGetErrorString(e);
+  if (e == cudaErrorInvalidValue && !kc::LastErrorMessage().empty()) m += " (" + kc::LastErrorMessage() + ")";
+  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(m);
+  return Status::Internal(m);
+}
+#define QKV_CUDA(expr)                                              \
+  do {                                                              \
+    const cudaError_t qkv_e_ = (expr);                              \
+    if (qkv_e_ != cudaSuccess) return CudaStatus(#expr, qkv_e_);    \
+  } while (0)
+
+// A device allocation that only grows. Growing frees the old block: callers
+// grow only what no queued work still reads, or synchronise first.
+class DevBuf {
+ public:
+  DevBuf() = default;
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~DevBuf() { cudaFree(p_); }
+  Status Reserve(std::size_t bytes) {
+    if (bytes <= n_) return Status::Ok();
+    if (p_) QKV_CUDA(cudaDeviceSynchronize());  // queued work may still read the old block
+    cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+    QKV_CUDA(cudaMalloc(&p_, bytes));
+    n_ = bytes;
+    return Status::Ok();
+  }
+  template <typename T = void>
+  T* as() const { return static_cast<T*>(p_); }
+  std::size_t bytes() const { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+std::size_t Align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
+      : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
+  ~CudaBackendImpl() override {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : ev_)
+      if (e) cudaEventDestroy(e);
+    if (stage_) cudaFreeHost(stage_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init();
+
+  Result<uint32_t> AddPartition() override;
+  void RemovePartition(uint32_t part) override;
+  void PageDied(PageId page) override {
+    clears_.push_back({nullptr, int64_t(page), kc::TableOp::kDropPage, 0});
+    if (auto it = tail_owner_.find(page); it != tail_owner_.end()) {
+      parts_[it->second].tail_page = kNoPage;  // the id may come back as anyone's page
+      tail_owner_.erase(it);
+    }
+  }
+  void SetHome(PageId page, const void* home) override {
+    const void* dev = home ? host_dev_ + (static_cast<const char*>(home) - host_base_) : nullptr;
+    Set(host_addr_.as<const void*>() + page, int64_t(reinterpret_cast<uintptr_t>(dev)), kc::TableOp::kSet64);
+  }
+  Status SetPages(uint32_t part, std::span<const PageId> pages) override;
+  Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
+                int64_t step) override;
+  Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len) override;
+  Status TailFromHost(uint32_t part, PageId dst, const void* page, int len) override;
+  Status TruncateTail(uint32_t part, PageId tail, int len) override;
+  Status ReadTail(uint32_t part, PageId tail, void* dst) override;
+  Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
+  Status DecodeStep(const Step& s) override;
+  CudaCounters counters() override;
+
+ private:
+  struct Partition {
+    bool live = false;
+    std::vector<int32_t> tail;       // [Hkv] pinned slots of the page being filled
+    PageId tail_page = kNoPage;      // the page whose head-pages the tail slots hold
+    std::vector<int32_t> owned;      // the list's slots, as a set (order lives on the device)
+    DevBuf list;                     // [owned.size()] LRU first, reordered by the resolve
+    DevBuf pages;                    // device mirror of the page list
+    int64_t pages_len = 0;
+  };
+
+  std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
+  char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
+  int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
+  void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }
+
+  // Table edits, applied in order of FlushUpdates: every clear, then every
+  // set (the last set of an address wins).
+  void Set(const void* addr, int64_t value, kc::TableOp op) {
+    auto [it, fresh] = set_index_.try_emplace(addr, sets_.size());
+    if (fresh) {
+      sets_.push_back({const_cast<void*>(addr), value, op, 0});
+    } else {
+      sets_[it->second] = {const_cast<void*>(addr), value, op, 0};
+    }
+  }
+  void SetSlot(int32_t s, PageId page, int h) {
+    Set(hbm_cell(page, h), s, kc::TableOp::kSet32);
+    Set(slot_page_.as<uint32_t>() + s, int64_t(page), kc::TableOp::kSet32);
+    Set(slot_head_.as<int32_t>() + s, h, kc::TableOp::kSet32);
+  }
+  Status FlushUpdates();
+  void* StageAlloc(std::size_t bytes);        // pinned, mapped; valid until the next Sync
+  void* StageDev(const void* p) const { return stage_dev_ + (static_cast<const char*>(p) - stage_); }
+  Status Upload(void* dev_dst, const void* src, std::size_t bytes);  // via the stage
+  Status Sync();
+  Status GrowPages(Partition& P, int64_t len);
+  Status GrowList(uint32_t part, int64_t need);
+  Status AssignTail(uint32_t part, PageId page);
+  Status RebuildSummary(const void* k_heads_host, PageId page, int len);
+  Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
+                           const void* v);
+  Status ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out, const void** dev);
+
+  Config c_;
+  Geometry g_;
+  PageAllocator* ids_;
+  TierMover* mover_;
+  SlotArena* host_;
+  const char* host_base_ = nullptr;
+  char* host_dev_ = nullptr;
+  int sms_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev_[4] = {};
+
+  // Device state.
+  DevBuf pool_, summaries_, hbm_slot_, host_addr_, slot_page_, slot_head_, slot_last_use_, slot_pinned_;
+  DevBuf counters_, scratch_counters_;
+  int64_t slots_ = 0;
+  std::vector<int32_t> free_;     // free slots (not staging, not in any partition)
+  std::vector<int32_t> staging_;  // [kStagingPages][Hkv]
+  uint64_t slots_peak_ = 0;
+  std::vector<Partition> parts_;
+  std::vector<uint32_t> free_parts_;
+  int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
+
+  // Per-call buffers.
+  DevBuf header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_;
+  std::size_t att_ws_zeroed_ = 0;
+
+  // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
+  char* stage_ = nullptr;
+  char* stage_dev_ = nullptr;
+  std::size_t stage_cap_ = 0, stage_used_ = 0;
+
+  std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
+  std::vector<kc::TableUpdate> clears_, sets_;
+  std::unordered_map<const void*, std::size_t> set_index_;
+};
+
+Status CudaBackendImpl::Init() {
+  const int H = g_.kv_heads;
+  if (g_.head_dim != 64 && g_.head_dim != 128 && g_.head_dim != 256)
+    return Status::InvalidArgument("the CUDA backend supports head_dim 64, 128, 256, not " + std::to_string(g_.head_dim));
+  if (g_.page_size != 8 && g_.page_size != 16 && g_.page_size != 32 && g_.page_size != 64)
+    return Status::InvalidArgument("the CUDA backend supports page_size 8, 16, 32, 64, not " + std::to_string(g_.page_size));
+  const int G = g_.group();
+  if (G != 1 && G != 2 && G != 4 && G != 8)
+    return Status::InvalidArgument("the CUDA backend supports GQA groups 1, 2, 4, 8, not " + std::to_string(G));
+  if (!host_->region().pinned())
+    return Status::FailedPrecondition("the host tier is not pinned and mapped for the GPU");
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return Status::FailedPrecondition("no usable CUDA device");
+  int dev = 0;
+  QKV_CUDA(cudaGetDevice(&dev));
+  QKV_CUDA(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
+  QKV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : ev_) QKV_CUDA(cudaEventCreate(&e));
+  void* hd = nullptr;
+  host_base_ = reinterpret_cast<const char*>(host_->base());
+  QKV_CUDA(cudaHostGetDevicePointer(&hd, host_->base(), 0));
+  host_dev_ = static_cast<char*>(hd);
+
+  const std::size_t slot_bytes = 2 * piece();
+  const int64_t want = c_.hbm_bytes ? int64_t(c_.hbm_bytes / slot_bytes)
+                                    : int64_t(c_.max_pages) * H + int64_t(kStagingPages) * H;
+  const int64_t min_slots = int64_t(kStagingPages) * H + 2 * H;
+  if (want < min_slots)
+    return Status::InvalidArgument("hbm_bytes holds " + std::to_string(want) + " head-page slots; the CUDA backend needs " +
+                                   std::to_string(min_slots) + " or more (prefill staging plus one tail)");
+  if (want >= INT32_MAX) return Status::InvalidArgument("hbm_bytes holds more than 2^31 head-page slots");
+  slots_ = want;
+  const std::size_t P = c_.max_pages;
+  QKV_RETURN_IF_ERROR(pool_.Reserve(std::size_t(slots_) * slot_bytes));
+  QKV_RETURN_IF_ERROR(summaries_.Reserve(P * g_.summary_elems() * sizeof(float)));
+  QKV_RETURN_IF_ERROR(hbm_slot_.Reserve(P * H * sizeof(int32_t)));
+  QKV_RETURN_IF_ERROR(host_addr_.Reserve(P * sizeof(void*)));
+  QKV_RETURN_IF_ERROR(slot_page_.Reserve(slots_ * sizeof(uint32_t)));
+  QKV_RETURN_IF_ERROR(slot_head_.Reserve(slots_ * sizeof(int32_t)));
+  QKV_RETURN_IF_ERROR(slot_last_use_.Reserve(slots_ * sizeof(int64_t)));
+  QKV_RETURN_IF_ERROR(slot_pinned_.Reserve(slots_));
+  QKV_RETURN_IF_ERROR(counters_.Reserve(sizeof(kc::ResolveCounters)));
+  QKV_RETURN_IF_ERROR(scratch_counters_.Reserve(sizeof(kc::ResolveCounters)));
+  QKV_CUDA(cudaMemsetAsync(hbm_slot_.as(), 0xFF, hbm_slot_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(host_addr_.as(), 0, host_addr_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(slot_page_.as(), 0xFF, slot_page_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(slot_head_.as(), 0, slot_head_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(slot_last_use_.as(), 0xFF, slot_last_use_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(slot_pinned_.as(), 0, slot_pinned_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(counters_.as(), 0, counters_.bytes(), stream_));
+  // Staging slots are pinned (never victims, never in a list).
+  for (int64_t s = 0; s < int64_t(kStagingPages) * H; ++s) staging_.push_back(int32_t(s));
+  QKV_CUDA(cudaMemsetAsync(slot_pinned_.as(), 1, staging_.size(), stream_));
+  for (int64_t s = slots_ - 1; s >= int64_t(staging_.size()); --s) free_.push_back(int32_t(s));
+  stage_cap_ = 64u << 20;
+  QKV_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&stage_), stage_cap_, cudaHostAllocMapped | cudaHostAllocPortable));
+  void* sd = nullptr;
+  QKV_CUDA(cudaHostGetDevicePointer(&sd, stage_, 0));
+  stage_dev_ = static_cast<char*>(sd);
+  parts_.emplace_back();  // partition 0 is never handed out
+  return Sync();
+}
+
+void* CudaBackendImpl::StageAlloc(std::size_t bytes) {
+  bytes = Align256(std::max<std::size_t>(bytes, 1));
+  if (stage_used_ + bytes > stage_cap_) {
+    if (!Sync().ok()) return nullptr;
+    if (bytes > stage_cap_) {
+      cudaFreeHost(stage_);
+      stage_ = nullptr;
+      stage_cap_ = std::max(bytes, 2 * stage_cap_);
+      if (cudaHostAlloc(reinterpret_cast<void**>(&stage_), stage_cap_, cudaHostAllocMapped | cudaHostAllocPortable) !=
+          cudaSuccess)
+        return nullptr;
+      void* sd = nullptr;
+      cudaHostGetDevicePointer(&sd, stage_, 0);
+      stage_dev_ = static_cast<char*>(sd);
+    }
+  }
+  void* p = stage_ + stage_used_;
+  stage_used_ += bytes;
+  return p;
+}
+
+Status CudaBackendImpl::Sync() {
+  QKV_CUDA(cudaStreamSynchronize(stream_));
+  stage_used_ = 0;
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::Upload(void* dev_dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  void* st = StageAlloc(bytes);
+  if (!st) return Status::ResourceExhausted("pinned staging of " + std::to_string(bytes) + " bytes");
+  std::memcpy(st, src, bytes);
+  QKV_CUDA(cudaMemcpyAsync(dev_dst, st, bytes, cudaMemcpyHostToDevice, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::FlushUpdates() {
+  const kc::DeviceTables t{hbm_slot_.as<int32_t>(), slot_page_.as<uint32_t>(), slot_head_.as<int32_t>(),
+                           slot_last_use_.as<int64_t>(), slot_pinned_.as<uint8_t>(), g_.kv_heads};
+  for (std::vector<kc::TableUpdate>* ops : {&clears_, &sets_}) {
+    if (ops->empty()) continue;
+    auto* st = static_cast<kc::TableUpdate*>(StageAlloc(ops->size() * sizeof(kc::TableUpdate)));
+    if (!st) return Status::ResourceExhausted("pinned staging for table updates");
+    std::memcpy(st, ops->data(), ops->size() * sizeof(kc::TableUpdate));
+    QKV_CUDA(kc::LaunchTableUpdates(static_cast<kc::TableUpdate*>(StageDev(st)), int(ops->size()), t, stream_));
+    ops->clear();
+  }
+  set_index_.clear();
+  return Status::Ok();
+}
+
+// ---- partitions ------------------------------------------------------------------
+
+Result<uint32_t> CudaBackendImpl::AddPartition() {
+  const int H = g_.kv_heads;
+  if (int64_t(free_.size()) < H)
+    return Status::ResourceExhausted("hbm: no free slots for a new tail (" + std::to_string(slots_) + " slots)");
+  uint32_t id;
+  if (!free_parts_.empty()) {
+    id = free_parts_.back();
+    free_parts_.pop_back();
+  } else {
+    id = uint32_t(parts_.size());
+    parts_.emplace_back();
+  }
+  Partition& P = parts_[id];
+  P = Partition{};
+  P.live = true;
+  for (int h = 0; h < H; ++h) {
+    P.tail.push_back(free_.back());
+    free_.pop_back();
+    Set(slot_pinned_.as<uint8_t>() + P.tail.back(), 1, kc::TableOp::kSet8);
+  }
+  slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  // Now: a queued set would land after a later release of these slots.
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  return id;
+}
+
+void CudaBackendImpl::RemovePartition(uint32_t part) {
+  Partition& P = parts_[part];
+  for (int32_t s : P.tail) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  for (int32_t s : P.owned) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  // A set still queued for these slots (e.g. the pinned flag) must not land after the release.
+  (void)FlushUpdates();
+  (void)Sync();
+  if (P.tail_page != kNoPage) tail_owner_.erase(P.tail_page);
+  free_.insert(free_.end(), P.tail.begin(), P.tail.end());
+  free_.insert(free_.end(), P.owned.begin(), P.owned.end());
+  P = Partition{};
+  free_parts_.push_back(part);
+}
+
+Status CudaBackendImpl::GrowPages(Partition& P, int64_t len) {
+  if (int64_t(P.pages.bytes() / 4) >= len) return Status::Ok();
+  DevBuf bigger;
+  QKV_RETURN_IF_ERROR(bigger.Reserve(std::size_t(std::max<int64_t>(2 * len, 64)) * 4));
+  if (P.pages_len)
+    QKV_CUDA(cudaMemcpyAsync(bigger.as(), P.pages.as(), P.pages_len * 4, cudaMemcpyDeviceToDevice, stream_));
+  QKV_RETURN_IF_ERROR(Sync());  // the old block may still be read by queued work
+  P.pages = std::move(bigger);
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::SetPages(uint32_t part, std::span<const PageId> pages) {
+  Partition& P = parts_[part];
+  QKV_RETURN_IF_ERROR(GrowPages(P, int64_t(pages.size())));
+  QKV_RETURN_IF_ERROR(Upload(P.pages.as(), pages.data(), pages.size() * 4));
+  P.pages_len = int64_t(pages.size());
+  return Status::Ok();
+}
+
+// The list must hold `need` slots; a growing list also takes up to as many
+// again when the pool has room to spare, so that it grows rarely and caches
+// beyond one step's selection. New (empty) slots go in front: first victims.
+Status CudaBackendImpl::GrowList(uint32_t part, int64_t need) {
+  Partition& P = parts_[part];
+  const int64_t have = int64_t(P.owned.size());
+  if (have >= need) return Status::Ok();
+  const int64_t add = need - have;
+  if (int64_t(free_.size()) < add)
+    return Status::ResourceExhausted("hbm too small: a (sequence, layer) needs " + std::to_string(need) +
+                                     " head-page slots for one step's selection, " + std::to_string(have) +
+                                     " held and " + std::to_string(free_.size()) + " free of " +
+                                     std::to_string(slots_) + " (raise hbm_bytes or lower the budget)");
+  const int64_t reserve = slots_ / 8;
+  const int64_t extra = std::clamp<int64_t>(int64_t(free_.size()) - add - reserve, 0, need);
+  const int64_t take = add + extra;
+  std::vector<int32_t> fresh(free_.end() - take, free_.end());
+  free_.resize(free_.size() - take);
+  DevBuf list;
+  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(have + take) * 4));
+  QKV_RETURN_IF_ERROR(Upload(list.as(), fresh.data(), fresh.size() * 4));
+  if (have)
+    QKV_CUDA(cudaMemcpyAsync(list.as<int32_t>() + take, P.list.as(), have * 4, cudaMemcpyDeviceToDevice, stream_));
+  QKV_RETURN_IF_ERROR(Sync());
+  P.list = std::move(list);
+  P.owned.insert(P.owned.end(), fresh.begin(), fresh.end());
+  slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  return Status::Ok();
+}
+
+// The tail slots take `page`; the page they held loses its residency.
+Status CudaBackendImpl::AssignTail(uint32_t part, PageId page) {
+  Partition& P = parts_[part];
+  for (int h = 0; h < g_.kv_heads; ++h) {
+    if (P.tail_page != kNoPage && P.tail_page != page) Set(hbm_cell(P.tail_page, h), -1, kc::TableOp::kSet32);
+    SetSlot(P.tail[h], page, h);
+  }
+  if (P.tail_page != kNoPage) tail_owner_.erase(P.tail_page);
+  P.tail_page = page;
+  tail_owner_[page] = part;
+  return Status::Ok();
+}
+
+// ---- append --------------------------------------------------------------------------
+
+Status CudaBackendImpl::ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out,
+                                  const void** dev) {
+  const std::size_t bytes = elems * DTypeBytes(g_.dtype);
+  QKV_RETURN_IF_ERROR(out.Reserve(bytes));
+  if (g_.dtype == DType::kF32) {
+    QKV_RETURN_IF_ERROR(Upload(out.as(), host_f32, bytes));
+  } else {
+    QKV_RETURN_IF_ERROR(f32.Reserve(elems * 4));
+    QKV_RETURN_IF_ERROR(Upload(f32.as(), host_f32, elems * 4));
+    QKV_CUDA(kc::LaunchConvert(f32.as(), kc::DType::kF32, out.as(), kc::DType(g_.dtype), elems, stream_));
+  }
+  *dev = out.as();
+  return Status::Ok();
+}
+
+// Tokens [t0, t1) of the list's token positions, K/V rows at k, v (device,
+// model dtype); every page they touch already has its slots.
+Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
+                                          const void* v) {
+  // Flush first: a later StageAlloc may recycle the stage once synchronised.
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  const int32_t hdr[5] = {0, int32_t(t1 - t0), int32_t(t0), 0, int32_t(total_pages)};
+  auto* st = static_cast<int32_t*>(StageAlloc(sizeof(hdr)));
+  if (!st) return Status::ResourceExhausted("pinned staging");
+  std::memcpy(st, hdr, sizeof(hdr));
+  const int32_t* d = static_cast<const int32_t*>(StageDev(st));
+  kc::AppendParams p;
+  p.kv_dtype = kc::DType(g_.dtype);
+  p.summary_dtype = kc::DType::kF32;
+  p.batch = 1;
+  p.kv_heads = g_.kv_heads;
+  p.page_size = g_.page_size;
+  p.head_dim = g_.head_dim;
+  p.max_new_tokens = int(t1 - t0);
+  p.append_indptr = d;
+  p.start_pos = d + 2;
+  p.page_indptr = d + 3;
+  p.page_ids = P.pages.as<uint32_t>();
+  p.hbm_slot = hbm_slot_.as<int32_t>();
+  p.k = k;
+  p.v = v;
+  p.slots = pool_.as();
+  p.summaries = summaries_.as();
+  QKV_CUDA(kc::LaunchAppend(p, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
+                               int64_t step) {
+  Partition& P = parts_[part];
+  const int S = g_.page_size, H = g_.kv_heads;
+  const std::size_t row = std::size_t(H) * g_.head_dim;
+  const int64_t old_tokens = list.tokens, end = old_tokens + n;
+  const std::size_t old_pages = list.pages.size();
+  const int64_t total_pages = (end + S - 1) / S;
+  if (total_pages > INT32_MAX / 2) return Status::OutOfRange("sequence too long for one layer's page table");
+
+  // Everything that can fail on the host comes first: ids, then host homes
+  // for every page this call fills.
+  std::vector<PageId> fresh;
+  auto drop_fresh = [&] {
+    for (PageId id : fresh) ids_->Unref(id);
+  };
+  for (int64_t p = int64_t(old_pages); p < total_pages; ++p) {
+    auto id = ids_->Allocate();
+    if (!id.ok()) {
+      drop_fresh();
+      return id.status();
+    }
+    fresh.push_back(*id);
+  }
+  auto page_at = [&](int64_t p) { return p < int64_t(old_pages) ? list.pages[p] : fresh[p - old_pages]; };
+  struct Sealing {
+    PageId page;
+    int64_t logical;
+    void* home;
+  };
+  std::vector<Sealing> sealing;
+  for (int64_t p = old_tokens / S; p < end / S; ++p) {
+    const PageId id = page_at(p);
+    auto home = mover_->SealBegin(id, ids_->generation(id), step);
+    if (!home.ok()) {
+      for (const Sealing& s : sealing) mover_->Drop(s.page);
+      drop_fresh();
+      return home.status();
+    }
+    sealing.push_back({id, p, *home});
+  }
+
+  // Device work. The page mirror first.
+  QKV_RETURN_IF_ERROR(GrowPages(P, total_pages));
+  QKV_RETURN_IF_ERROR(Upload(P.pages.as<uint32_t>() + old_pages, fresh.data(), fresh.size() * 4));
+  P.pages_len = total_pages;
+  std::size_t next_seal = 0;
+  auto seal_through = [&](int64_t last_logical, const std::vector<int32_t>& staged_base, int64_t first_staged) -> Status {
+    std::vector<kc::SealJob> jobs;
+    for (; next_seal < sealing.size() && sealing[next_seal].logical <= last_logical; ++next_seal) {
+      const Sealing& s = sealing[next_seal];
+      char* home = static_cast<char*>(home_dev(s.home));
+      for (int h = 0; h < H; ++h) {
+        const int32_t slot = s.page == P.tail_page ? P.tail[h] : staged_base[(s.logical - first_staged) * H + h];
+        jobs.push_back({slot_ptr(slot), home + std::size_t(h) * piece(), home + std::size_t(H + h) * piece()});
+      }
+    }
+    if (jobs.empty()) return Status::Ok();
+    auto* st = static_cast<kc::SealJob*>(StageAlloc(jobs.size() * sizeof(kc::SealJob)));
+    if (!st) return Status::ResourceExhausted("pinned staging for seal jobs");
+    std::memcpy(st, jobs.data(), jobs.size() * sizeof(kc::SealJob));
+    QKV_CUDA(kc::LaunchSealCopy(static_cast<kc::SealJob*>(StageDev(st)), int(jobs.size()), piece(), stream_));
+    return Status::Ok();
+  };
+  auto rows_at = [&](const void* base, int64_t t, int64_t count, DevBuf& f32, DevBuf& conv,
+                     const void** dev) -> Status {
+    const std::size_t off = std::size_t(t - old_tokens) * row;
+    if (!host_f32) {
+      *dev = static_cast<const char*>(base) + off * DTypeBytes(g_.dtype);
+      return Status::Ok();
+    }
+    return ConvertIn(static_cast<const float*>(base) + off, std::size_t(count) * row, f32, conv, dev);
+  };
+  // Segment A: the old tail, in its tail slots, up to its page boundary.
+  int64_t t = old_tokens;
+  if (old_tokens % S) {
+    const int64_t t1 = std::min(end, (old_tokens / S + 1) * S);
+    const void *kd, *vd;
+    QKV_RETURN_IF_ERROR(rows_at(k, t, t1 - t, kv_f32_, kv_in_, &kd));
+    QKV_RETURN_IF_ERROR(rows_at(v, t, t1 - t, kv_f32_, v_in_, &vd));
+    QKV_RETURN_IF_ERROR(LaunchAppendRange(P, t, t1, total_pages, kd, vd));
+    QKV_RETURN_IF_ERROR(seal_through(t1 / S - 1, staging_, 0));
+    t = t1;
+  }
+  // Segment B: fresh pages, kStagingPages at a time; a partial last page takes the tail slots.
+  const int64_t first_fresh = int64_t(old_pages);
+  for (int64_t p0 = first_fresh; p0 < total_pages; p0 += kStagingPages) {
+    const int64_t p1 = std::min<int64_t>(total_pages, p0 + kStagingPages);
+    std::vector<PageId> chunk;
+    for (int64_t p = p0; p < p1; ++p) {
+      const PageId id = fresh[p - first_fresh];
+      chunk.push_back(id);
+      const bool partial_last = p == total_pages - 1 && end % S != 0;
+      if (partial_last) {
+        QKV_RETURN_IF_ERROR(AssignTail(part, id));
+      } else {
+        for (int h = 0; h < H; ++h) Set(hbm_cell(id, h), staging_[(p - p0) * H + h], kc::TableOp::kSet32);
+      }
+    }
+    QKV_RETURN_IF_ERROR(FlushUpdates());
+    QKV_CUDA(kc::LaunchResetSummaries(summaries_.as(), kc::DType::kF32, P.pages.as<uint32_t>() + p0, int(p1 - p0), H,
+                                      g_.head_dim, stream_));
+    const int64_t t1 = std::min(end, p1 * S);
+    const void *kd, *vd;
+    QKV_RETURN_IF_ERROR(rows_at(k, t, t1 - t, kv_f32_, kv_in_, &kd));
+    QKV_RETURN_IF_ERROR(rows_at(v, t, t1 - t, kv_f32_, v_in_, &vd));
+    QKV_RETURN_IF_ERROR(LaunchAppendRange(P, t, t1, total_pages, kd, vd));
+    QKV_RETURN_IF_ERROR(seal_through(p1 - 1, staging_, p0));
+    // Staged pages leave the staging slots (their homes hold them now).
+    for (PageId id : chunk)
+      if (id != P.tail_page)
+        for (int h = 0; h < H; ++h) Set(hbm_cell(id, h), -1, kc::TableOp::kSet32);
+    t = t1;
+  }
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  QKV_RETURN_IF_ERROR(Sync());
+  for (const Sealing& s : sealing) mover_->SealEnd(s.page);
+  list.pages.insert(list.pages.end(), fresh.begin(), fresh.end());
+  list.tokens = end;
+  return Status::Ok();
+}
+
+// ---- fork, rollback, reads ----------------------------------------------------------
+
+// Rebuilds a page's summary from the first `len` keys of its heads (host
+// bytes [Hkv][S][D] in the model dtype) with the CPU twin, and uploads it.
+Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, int len) {
+  const int H = g_.kv_heads;
+  const std::size_t hp = g_.head_page_elems();
+  std::vector<float> keys(H * hp), summary(g_.summary_elems());
+  ToFloats(k_heads_host, g_.dtype, keys.size(), keys.data());
+  const float* heads[kernels::kMaxKvHeads];
+  for (int h = 0; h < H; ++h) heads[h] = keys.data() + h * hp;
+  kernels::RebuildSummaryHeadsCpu(heads, summary.data(), H, g_.head_dim, len);
+  return Upload(summaries_.as<float>() + std::size_t(page) * g_.summary_elems(), summary.data(),
+                summary.size() * sizeof(float));
+}
+
+Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len) {
+  Partition &A = parts_[src_part], &B = parts_[dst_part];
+  assert(A.tail_page == src);
+  QKV_RETURN_IF_ERROR(AssignTail(dst_part, dst));
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  for (int h = 0; h < g_.kv_heads; ++h)
+    QKV_CUDA(cudaMemcpyAsync(slot_ptr(B.tail[h]), slot_ptr(A.tail[h]), 2 * piece(), cudaMemcpyDeviceToDevice, stream_));
+  const std::size_t sb = g_.summary_elems() * sizeof(float);
+  QKV_CUDA(cudaMemcpyAsync(summaries_.as<char>() + std::size_t(dst) * sb, summaries_.as<char>() + std::size_t(src) * sb,
+                           sb, cudaMemcpyDeviceToDevice, stream_));
+  (void)len;  // the summary of the first len tokens is the source's: the tail holds exactly len
+  return Sync();
+}
+
+Status CudaBackendImpl::TailFromHost(uint32_t part, PageId dst, const void* page, int len) {
+  Partition& P = parts_[part];
+  const int H = g_.kv_heads;
+  QKV_RETURN_IF_ERROR(AssignTail(part, dst));
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  const char* bytes = static_cast<const char*>(page);
+  for (int h = 0; h < H; ++h) {
+    QKV_RETURN_IF_ERROR(Upload(slot_ptr(P.tail[h]), bytes + std::size_t(h) * piece(), piece()));
+    QKV_RETURN_IF_ERROR(Upload(slot_ptr(P.tail[h]) + piece(), bytes + std::size_t(H + h) * piece(), piece()));
+  }
+  QKV_RETURN_IF_ERROR(RebuildSummary(bytes, dst, len));
+  return Sync();
+}
+
+Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
+  Partition& P = parts_[part];
+  assert(P.tail_page == tail);
+  std::vector<char> k(std::size_t(g_.kv_heads) * piece());
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  for (int h = 0; h < g_.kv_heads; ++h)
+    QKV_CUDA(cudaMemcpyAsync(k.data() + h * piece(), slot_ptr(P.tail[h]), piece(), cudaMemcpyDeviceToHost, stream_));
+  QKV_RETURN_IF_ERROR(Sync());
+  QKV_RETURN_IF_ERROR(RebuildSummary(k.data(), tail, len));
+  return Sync();
+}
+
+Status CudaBackendImpl::ReadTail(uint32_t part, PageId tail, void* dst) {
+  Partition& P = parts_[part];
+  if (P.tail_page != tail) return Status::Internal("page " + std::to_string(tail) + " is not the partition's tail");
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  char* out = static_cast<char*>(dst);
+  const int H = g_.kv_heads;
+  for (int h = 0; h < H; ++h) {
+    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(h) * piece(), slot_ptr(P.tail[h]), piece(), cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(H + h) * piece(), slot_ptr(P.tail[h]) + piece(), piece(),
+                             cudaMemcpyDeviceToHost, stream_));
+  }
+  return Sync();
+}
+
+Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst) {
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  const std::size_t elems = g_.summary_elems();
+  for (std::size_t i = 0; i < pages.size(); ++i)
+    QKV_CUDA(cudaMemcpyAsync(dst + i * elems, summaries_.as<float>() + std::size_t(pages[i]) * elems,
+                             elems * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  return Sync();
+}
+
+// ---- the decode step ---------------------------------------------------------------
+
+Status CudaBackendImpl::DecodeStep(const Step& s) {
+  const int B = int(s.lists.size()), H = g_.kv_heads, G = g_.group(), D = g_.head_dim, S = g_.page_size;
+  const int rows = B * H;
+  const std::size_t qelems = std::size_t(B) * g_.q_heads * D;
+  const kc::DType dt = kc::DType(g_.dtype);
+
+  // Plans (host only).
+  std::vector<int32_t> counts(B), last_len(B), page_indptr(B + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    counts[b] = int32_t(s.lists[b]->pages.size());
+    last_len[b] = s.lists[b]->last_page_len(S);
+    page_indptr[b + 1] = page_indptr[b] + counts[b];
+  }
+  kc::SelectShape shape;
+  shape.batch = B;
+  shape.kv_heads = H;
+  shape.group = G;
+  shape.head_dim = D;
+  shape.page_size = S;
+  shape.page_budget = c_.policy.page_budget(s.layer, S);
+  shape.sink_pages = c_.policy.sink_pages;
+  shape.local_pages = c_.policy.local_pages;
+  shape.gqa = kc::GqaAgg(c_.policy.gqa);
+  shape.dense = s.dense || c_.policy.is_dense(s.layer);
+  kc::SelectPlan splan;
+  std::string err;
+  if (!kc::PlanSelect(shape, counts.data(), sms_, &splan, &err)) return Status::InvalidArgument(err);
+  const std::vector<int32_t>& sel_indptr = splan.out_indptr;
+  const int64_t entries = sel_indptr[rows];
+  int max_row = 0;
+  for (int r = 0; r < rows; ++r) max_row = std::max(max_row, sel_indptr[r + 1] - sel_indptr[r]);
+
+  // Each partition's list holds at least what its sequence may select.
+  std::vector<int32_t> part_indptr(B + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    QKV_RETURN_IF_ERROR(GrowList(s.partitions[b], sel_indptr[(b + 1) * H] - sel_indptr[b * H]));
+    part_indptr[b + 1] = part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
+  }
+  kc::ResolvePlan rplan;
+  const kc::ResolveShape rshape{B, H, S, D, dt,
+                                c_.cold_miss == ColdMissPolicy::kStrict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline};
+  if (!kc::PlanResolve(rshape, entries, part_indptr[B], sms_, 0, &rplan, &err)) return Status::InvalidArgument(err);
+  kc::AttendPlan aplan;
+  if (!kc::PlanAttend(kc::AttendShape{rows, H, G, D, S, dt}, std::max(max_row, 1), sms_, &aplan, &err))
+    return Status::InvalidArgument(err);
+
+  // Device buffers for this shape.
+  const std::size_t qbytes = qelems * DTypeBytes(g_.dtype);
+  QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
+  QKV_RETURN_IF_ERROR(o_.Reserve(qbytes));
+  QKV_RETURN_IF_ERROR(sel_pages_.Reserve(std::max<int64_t>(entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(sel_count_.Reserve(rows * 4));
+  QKV_RETURN_IF_ERROR(res_count_.Reserve(rows * 4));
+  const int qcap = int(std::max<int64_t>(entries, 1));
+  const std::size_t qbytes_req = Align256(std::size_t(qcap) * sizeof(kc::ResolveRequest));
+  QKV_RETURN_IF_ERROR(queues_.Reserve(2 * qbytes_req + 256));
+  QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>(splan.workspace_bytes, 1)));
+  QKV_RETURN_IF_ERROR(res_ws_.Reserve(std::max<std::size_t>(rplan.workspace_bytes, 1)));
+  if (att_ws_.bytes() < aplan.workspace_bytes) {
+    QKV_RETURN_IF_ERROR(Sync());
+    QKV_RETURN_IF_ERROR(att_ws_.Reserve(aplan.workspace_bytes));
+    att_ws_zeroed_ = 0;
+  }
+  if (att_ws_zeroed_ < att_ws_.bytes()) {
+    QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, att_ws_.bytes(), stream_));
+    att_ws_zeroed_ = att_ws_.bytes();
+  }
+
+  // Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] | last_len [B] | part_lists [B].
+  std::vector<int32_t> hdr;
+  hdr.insert(hdr.end(), page_indptr.begin(), page_indptr.end());
+  const std::size_t o_sel = hdr.size();
+  hdr.insert(hdr.end(), sel_indptr.begin(), sel_indptr.end());
+  const std::size_t o_part = hdr.size();
+  hdr.insert(hdr.end(), part_indptr.begin(), part_indptr.end());
+  const std::size_t o_last = hdr.size();
+  hdr.insert(hdr.end(), last_len.begin(), last_len.end());
+  if (hdr.size() % 2) hdr.push_back(0);
+  const std::size_t o_lists = hdr.size();
+  hdr.resize(hdr.size() + 2 * B);
+  for (int b = 0; b < B; ++b) {
+    int32_t* list = parts_[s.partitions[b]].list.as<int32_t>();
+    std::memcpy(hdr.data() + o_lists + 2 * b, &list, sizeof(list));
+  }
+  QKV_RETURN_IF_ERROR(header_.Reserve(hdr.size() * 4));
+  QKV_RETURN_IF_ERROR(Upload(header_.as(), hdr.data(), hdr.size() * 4));
+  const int32_t* d_hdr = header_.as<int32_t>();
+
+  // Page ids: one sequence reads its mirror in place; a batch is copied together.
+  const uint32_t* page_ids;
+  if (B == 1) {
+    page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
+  } else {
+    QKV_RETURN_IF_ERROR(batch_pages_.Reserve(std::size_t(page_indptr[B]) * 4));
+    for (int b = 0; b < B; ++b)
+      QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + page_indptr[b], parts_[s.partitions[b]].pages.as(),
+                               std::size_t(counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
+    page_ids = batch_pages_.as<uint32_t>();
+  }
+  const void* q = s.q;
+  if (s.host_f32) QKV_RETURN_IF_ERROR(ConvertIn(s.q, qelems, q_f32_, q_, &q));
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+
+  // select -> resolve -> attend, one stream.
+  QKV_CUDA(cudaEventRecord(ev_[0], stream_));
+  kc::SelectParams sp;
+  sp.shape = shape;
+  sp.q_dtype = dt;
+  sp.summary_dtype = kc::DType::kF32;
+  sp.q = q;
+  sp.summaries = summaries_.as();
+  sp.page_indptr = d_hdr;
+  sp.page_ids = page_ids;
+  sp.out_indptr = d_hdr + o_sel;
+  sp.out_pages = sel_pages_.as<int32_t>();
+  sp.out_count = sel_count_.as<int32_t>();
+  sp.workspace = sel_ws_.as();
+  QKV_CUDA(kc::LaunchSelect(splan, sp, stream_));
+  QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+
+  char* qb = queues_.as<char>();
+  kc::ResolveParams rp;
+  rp.step = s.step;
+  rp.page_indptr = d_hdr;
+  rp.page_ids = page_ids;
+  rp.sel_indptr = d_hdr + o_sel;
+  rp.sel_count = sel_count_.as<int32_t>();
+  rp.sel_pages = sel_pages_.as<int32_t>();
+  rp.host_addr = host_addr_.as<const void* const>();
+  rp.hbm_slot = hbm_slot_.as<int32_t>();
+  rp.slot_page = slot_page_.as<uint32_t>();
+  rp.slot_head = slot_head_.as<int32_t>();
+  rp.slot_last_use = slot_last_use_.as<int64_t>();
+  rp.slot_pinned = slot_pinned_.as<uint8_t>();
+  rp.part_indptr = d_hdr + o_part;
+  rp.part_lists = reinterpret_cast<int32_t* const*>(d_hdr + o_lists);
+  rp.slots = pool_.as();
+  rp.out_slots = res_slots_.as<int32_t>();
+  rp.out_count = res_count_.as<int32_t>();
+  rp.cold = reinterpret_cast<kc::ResolveRequest*>(qb);
+  rp.bypass = reinterpret_cast<kc::ResolveRequest*>(qb + qbytes_req);
+  rp.cold_count = reinterpret_cast<int32_t*>(qb + 2 * qbytes_req);
+  rp.bypass_count = rp.cold_count + 1;
+  rp.queue_capacity = qcap;
+  rp.counters = counters_.as<kc::ResolveCounters>();
+  rp.workspace = res_ws_.as();
+  QKV_CUDA(kc::LaunchResolve(rplan, rp, stream_));
+
+  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
+  std::vector<kc::ResolveRequest> cold;
+  auto read_cold = [&]() -> Status {
+    int32_t n = 0;
+    QKV_CUDA(cudaMemcpyAsync(&n, rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_RETURN_IF_ERROR(Sync());
+    cold.resize(std::min(n, qcap));
+    if (!cold.empty()) {
+      QKV_CUDA(cudaMemcpyAsync(cold.data(), rp.cold, cold.size() * sizeof(kc::ResolveRequest), cudaMemcpyDeviceToHost,
+                               stream_));
+      QKV_RETURN_IF_ERROR(Sync());
+    }
+    return Status::Ok();
+  };
+  if (strict && mover_->has_disk()) {
+    // Cold misses: promote, publish, resolve again (hits stay hits). The
+    // re-runs count on scratch counters; only their traffic is kept.
+    for (int round = 0;; ++round) {
+      QKV_RETURN_IF_ERROR(read_cold());
+      if (cold.empty()) break;
+      if (round > 64) return Status::Internal("cold misses do not settle");
+      for (const kc::ResolveRequest& r : cold)
+        QKV_RETURN_IF_ERROR(mover_->EnsureHost(r.page, ids_->generation(r.page), s.step));
+      QKV_RETURN_IF_ERROR(FlushUpdates());
+      QKV_CUDA(cudaMemsetAsync(scratch_counters_.as(), 0, scratch_counters_.bytes(), stream_));
+      kc::ResolveParams again = rp;
+      again.counters = scratch_counters_.as<kc::ResolveCounters>();
+      QKV_CUDA(kc::LaunchResolve(rplan, again, stream_));
+      kc::ResolveCounters sc;
+      QKV_CUDA(cudaMemcpyAsync(&sc, scratch_counters_.as(), sizeof(sc), cudaMemcpyDeviceToHost, stream_));
+      QKV_RETURN_IF_ERROR(Sync());
+      extra_bytes_ += int64_t(sc.bytes_host_to_hbm);
+      extra_evictions_ += int64_t(sc.evictions);
+    }
+  }
+  QKV_CUDA(cudaEventRecord(ev_[2], stream_));
+
+  void* o = s.host_f32 ? o_.as() : s.out;
+  kc::AttendParams ap;
+  ap.scale = 1.f / std::sqrt(float(D));
+  ap.q = q;
+  ap.slots = pool_.as();
+  ap.indptr = d_hdr + o_sel;
+  ap.count = res_count_.as<int32_t>();
+  ap.slot_ids = res_slots_.as<int32_t>();
+  ap.last_len = d_hdr + o_last;
+  ap.o = o;
+  ap.workspace = att_ws_.as();
+  QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
+  QKV_CUDA(cudaEventRecord(ev_[3], stream_));
+
+  float* out_stage = nullptr;
+  if (s.host_f32) {
+    const void* of = o_.as();
+    if (g_.dtype != DType::kF32) {
+      QKV_RETURN_IF_ERROR(o_f32_.Reserve(qelems * 4));
+      QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));
+      of = o_f32_.as();
+    }
+    out_stage = static_cast<float*>(StageAlloc(qelems * 4));
+    if (!out_stage) return Status::ResourceExhausted("pinned staging for the output");
+    QKV_CUDA(cudaMemcpyAsync(out_stage, of, qelems * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  int32_t qcounts[2] = {0, 0};
+  QKV_CUDA(cudaMemcpyAsync(qcounts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+  // What the host wants to know of the selection.
+  const bool want_sel = s.selections || mover_->has_disk();
+  std::vector<int32_t> sel_pages, sel_count;
+  if (want_sel) {
+    sel_pages.resize(entries);
+    sel_count.resize(rows);
+    QKV_CUDA(cudaMemcpyAsync(sel_pages.data(), sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemcpyAsync(sel_count.data(), sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  QKV_CUDA(cudaStreamSynchronize(stream_));
+  if (out_stage) std::memcpy(s.out, out_stage, qelems * 4);
+  QKV_RETURN_IF_ERROR(Sync());
+  if (qcounts[1] != 0)
+    return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");
+
+  if (s.select_us || s.resolve_us || s.attend_us) {
+    float a = 0, b = 0, c = 0;
+    cudaEventElapsedTime(&a, ev_[0], ev_[1]);
+    cudaEventElapsedTime(&b, ev_[1], ev_[2]);
+    cudaEventElapsedTime(&c, ev_[2], ev_[3]);
+    if (s.select_us) *s.select_us += 1e3 * a;
+    if (s.resolve_us) *s.resolve_us += 1e3 * b;
+    if (s.attend_us) *s.attend_us += 1e3 * c;
+  }
+  if (want_sel) {
+    if (s.selections) s.selections->resize(B);
+    for (int b = 0; b < B; ++b) {
+      const PageList& list = *s.lists[b];
+      PageSelection* out = s.selections ? &(*s.selections)[b] : nullptr;
+      if (out) {
+        out->indptr.assign(1, 0);
+        out->pages.clear();
+      }
+      for (int h = 0; h < H; ++h) {
+        const int r = b * H + h;
+        const int n = std::min(sel_count[r], sel_indptr[r + 1] - sel_indptr[r]);
+        for (int i = 0; i < n; ++i) {
+          const int32_t p = sel_pages[sel_indptr[r] + i];
+          if (out) out->pages.push_back(p);
+          mover_->NoteSelected(list.pages[p], s.step);
+        }
+        if (s.selected) *s.selected += n;
+        if (out) out->indptr.push_back(int32_t(out->pages.size()));
+      }
+    }
+  } else if (s.selected) {
+    int64_t n = 0;
+    for (int r = 0; r < rows; ++r) n += sel_indptr[r + 1] - sel_indptr[r];
+    *s.selected += n;  // exact for max/mean and dense; union rows may use less
+  }
+  // Deadline: the pages attended without start their promotion now.
+  if (!strict && mover_->has_disk() && qcounts[0] > 0) {
+    QKV_RETURN_IF_ERROR(read_cold());
+    for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page));
+  }
+  return Status::Ok();
+}
+
+CudaCounters CudaBackendImpl::counters() {
+  kc::ResolveCounters c{};
+  cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_);
+  cudaStreamSynchronize(stream_);
+  CudaCounters out;
+  out.selected = int64_t(c.selected);
+  out.hits = int64_t(c.hits);
+  out.misses_host = int64_t(c.misses_host);
+  out.misses_disk = int64_t(c.misses_disk);
+  out.evictions = int64_t(c.evictions) + extra_evictions_;
+  out.bytes_host_to_hbm = int64_t(c.bytes_host_to_hbm) + extra_bytes_;
+  out.cold_stalls = int64_t(c.cold_stalls);
+  out.pages_skipped = int64_t(c.pages_skipped);
+  out.slots_capacity = uint64_t(slots_);
+  out.slots_used = uint64_t(slots_ - int64_t(free_.size()));
+  out.slots_peak = slots_peak_;
+  out.slot_bytes = 2 * piece();
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Config& config, PageAllocator* ids, TierMover* mover,
+                                                          SlotArena* host) {
+  auto impl = std::make_unique<CudaBackendImpl>(config, ids, mover, host);
+  QKV_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<CudaBackend>(std::move(impl));
+}
+
+}  // namespace questkv

@@ -1,0 +1,373 @@
+// The CUDA backend end to end (runtime/cuda_backend.h) against the CPU
+// backend on the same inputs: selections equal, outputs within the dtype's
+// rounding; all-in-HBM against mostly-on-host (and on disk) bit for bit;
+// fork, rollback and prefix sharing; the device-pointer API; bad input.
+// K/V and queries are rounded to the model dtype first, so the CPU backend
+// (f32) sees exactly the values the GPU stores.
+// Skips, saying why, without a usable GPU (or when built without CUDA).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "runtime/runtime.h"
+#include "tests/testing/reference.h"
+
+namespace questkv {
+namespace {
+
+struct Case {
+  DType dtype;
+  GqaMode gqa;
+  int q_heads, kv_heads;
+  double tol;  // relative L2 of outputs against the CPU backend
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << DTypeName(c.dtype) << "_" << GqaModeName(c.gqa) << "_Hq" << c.q_heads << "_Hkv" << c.kv_heads;
+}
+
+Config MakeConfig(Backend b, const Case& c) {
+  Config cfg;
+  cfg.backend = b;
+  cfg.geometry = Geometry{3, c.q_heads, c.kv_heads, 64, 16, b == Backend::kCuda ? c.dtype : DType::kF32};
+  cfg.policy.token_budget = 128;  // 8 pages
+  cfg.policy.sink_pages = 1;
+  cfg.policy.local_pages = 2;
+  cfg.policy.gqa = c.gqa;
+  cfg.policy.dense_layers = {0};
+  cfg.max_pages = 4096;
+  return cfg;
+}
+
+// Skips the test when the CUDA backend cannot run here.
+#define QKV_CREATE_CUDA(var, cfg)                                                         \
+  auto var##_r = Runtime::Create(cfg);                                                    \
+  if (!var##_r.ok() && (var##_r.status().code() == Code::kFailedPrecondition ||           \
+                        var##_r.status().code() == Code::kUnimplemented))                 \
+    GTEST_SKIP() << var##_r.status().ToString();                                          \
+  ASSERT_TRUE(var##_r.ok()) << var##_r.status().ToString();                               \
+  std::unique_ptr<Runtime> var = std::move(*var##_r)
+
+float RoundTo(float x, DType t) {
+  if (t == DType::kF16) return __half2float(__float2half_rn(x));
+  if (t == DType::kBF16) return __bfloat162float(__float2bfloat16_rn(x));
+  return x;
+}
+std::vector<float> Rounded(std::vector<float> x, DType t) {
+  for (float& v : x) v = RoundTo(v, t);
+  return x;
+}
+
+// Drives any number of runtimes through the same calls and compares them.
+class Twins {
+ public:
+  Twins(std::vector<Runtime*> rts, const Geometry& g, DType dtype) : rts_(std::move(rts)), g_(g), dtype_(dtype) {}
+
+  std::vector<SeqId> NewSeq() {
+    std::vector<SeqId> ids;
+    for (Runtime* rt : rts_) {
+      auto id = rt->CreateSequence();
+      EXPECT_TRUE(id.ok()) << id.status().ToString();
+      ids.push_back(*id);
+    }
+    return ids;
+  }
+  // Random K/V (rounded to the dtype) appended to every layer in chunks.
+  void Append(const std::vector<SeqId>& ids, int64_t n, int64_t chunk) {
+    const std::size_t row = std::size_t(g_.kv_heads) * g_.head_dim;
+    for (int l = 0; l < g_.layers; ++l) {
+      const auto k = Rounded(test::RandomNormal(n * row, seed_++), dtype_);
+      const auto v = Rounded(test::RandomNormal(n * row, seed_++), dtype_);
+      for (int64_t t = 0; t < n; t += chunk) {
+        const int64_t m = std::min(chunk, n - t);
+        for (std::size_t i = 0; i < rts_.size(); ++i) {
+          const Status s = rts_[i]->Append(ids[i], l, k.data() + t * row, v.data() + t * row, m);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+        }
+      }
+    }
+  }
+  // One decode call at `layer` over batch[b][runtime]: selections equal,
+  // outputs of runtime i>0 against runtime 0 within `tol` (0: bit for bit).
+  void Decode(const std::vector<std::vector<SeqId>>& batch, int layer, double tol, bool dense = false) {
+    const std::size_t qn = batch.size() * g_.q_heads * g_.head_dim;
+    const auto q = Rounded(test::RandomNormal(qn, seed_++), dtype_);
+    std::vector<std::vector<float>> outs(rts_.size(), std::vector<float>(qn, -1.f));
+    std::vector<std::vector<PageSelection>> sels(rts_.size());
+    for (std::size_t i = 0; i < rts_.size(); ++i) {
+      std::vector<SeqId> ids;
+      for (const auto& b : batch) ids.push_back(b[i]);
+      const Status s = dense ? rts_[i]->DenseAttention(ids, layer, q.data(), outs[i].data())
+                             : rts_[i]->DecodeAttention(ids, layer, q.data(), outs[i].data(), &sels[i]);
+      ASSERT_TRUE(s.ok()) << "runtime " << i << ": " << s.ToString();
+    }
+    for (std::size_t i = 1; i < rts_.size(); ++i) {
+      if (!dense) {
+        ASSERT_EQ(sels[i].size(), sels[0].size());
+        for (std::size_t b = 0; b < sels[0].size(); ++b) {
+          EXPECT_EQ(sels[i][b].indptr, sels[0][b].indptr) << "runtime " << i << " batch entry " << b;
+          EXPECT_EQ(sels[i][b].pages, sels[0][b].pages) << "runtime " << i << " batch entry " << b;
+        }
+      }
+      if (tol == 0) {
+        EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), qn * sizeof(float)), 0)
+            << "runtime " << i << " layer " << layer << ": outputs differ";
+      } else {
+        EXPECT_LE(test::RelL2Error(outs[i].data(), outs[0].data(), qn), tol) << "runtime " << i << " layer " << layer;
+      }
+    }
+    ++decodes_;
+  }
+  int decodes() const { return decodes_; }
+
+ private:
+  std::vector<Runtime*> rts_;
+  Geometry g_;
+  DType dtype_;
+  uint64_t seed_ = 1;
+  int decodes_ = 0;
+};
+
+// Sequences of 1, S-1, S, S+1 and 4099 tokens, a few decode steps (append one
+// token per sequence and layer, then a batch decode), on `rts`.
+void RunScenario(Twins& tw, const Geometry& g, double tol, int steps) {
+  std::vector<std::vector<SeqId>> seqs;
+  const int64_t lens[] = {1, 15, 16, 17, 4099};
+  const int64_t chunks[] = {1, 4, 16, 5, 1000};
+  for (int i = 0; i < 5; ++i) {
+    seqs.push_back(tw.NewSeq());
+    tw.Append(seqs.back(), lens[i], chunks[i]);
+  }
+  for (int step = 0; step < steps; ++step) {
+    for (const auto& s : seqs) tw.Append(s, 1, 1);
+    for (int l = 0; l < g.layers; ++l) tw.Decode(seqs, l, tol);
+    // A smaller batch too (other partitions untouched).
+    tw.Decode({seqs[4], seqs[1]}, 1, tol);
+  }
+}
+
+class CudaVsCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaVsCpu, SameSelectionsAndOutputs) {
+  const Case c = GetParam();
+  QKV_CREATE_CUDA(gpu, MakeConfig(Backend::kCuda, c));
+  auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  Twins tw({cpu->get(), gpu.get()}, gpu->config().geometry, c.dtype);
+  RunScenario(tw, gpu->config().geometry, c.tol, 4);
+  // Summaries and gathered K/V agree exactly (the CPU saw the rounded values).
+  auto cs = (*cpu)->Pages(5, 2);
+  auto gs = gpu->Pages(5, 2);
+  ASSERT_TRUE(cs.ok() && gs.ok());
+  for (std::size_t p = 0; p < cs->size(); p += 37) {
+    auto a = (*cpu)->Summary((*cs)[p]);
+    auto b = gpu->Summary((*gs)[p]);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(*a, *b) << "page " << p;
+  }
+  auto va = (*cpu)->Gather(5, 2);
+  auto vb = gpu->Gather(5, 2);
+  ASSERT_TRUE(va.ok() && vb.ok()) << vb.status().ToString();
+  EXPECT_EQ(va->k, vb->k);
+  EXPECT_EQ(va->v, vb->v);
+  // Dense attention on the GPU against the CPU backend's.
+  tw.Decode({{5, 5}}, 2, c.tol, /*dense=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CudaVsCpu,
+                         ::testing::Values(Case{DType::kF32, GqaMode::kMax, 8, 2, 1e-5},
+                                           Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3},
+                                           Case{DType::kF16, GqaMode::kMean, 8, 2, 2e-3},
+                                           Case{DType::kBF16, GqaMode::kUnion, 8, 2, 1e-2},
+                                           Case{DType::kF16, GqaMode::kMax, 2, 2, 2e-3},
+                                           Case{DType::kF16, GqaMode::kUnion, 16, 2, 2e-3}));
+
+// Every page in HBM against an HBM that holds a fraction: the misses are
+// gathered from pinned host memory and the outputs are the same bits.
+TEST(CudaTiers, MostlyOnHostIsBitIdenticalToAllInHbm) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config all = MakeConfig(Backend::kCuda, c);
+  Config small = all;
+  const std::size_t slot = 2 * 16 * 64 * 2;
+  small.hbm_bytes = 1100 * slot;  // staging 128 + tails 30 + dense layer ~530 + sparse lists
+  QKV_CREATE_CUDA(a, all);
+  QKV_CREATE_CUDA(b, small);
+  Twins tw({a.get(), b.get()}, all.geometry, c.dtype);
+  RunScenario(tw, all.geometry, 0, 6);
+  const TierStats s = b->tier_stats();
+  EXPECT_GT(s.hbm_misses, 0);
+  EXPECT_GT(s.host_to_hbm_bytes, 0);
+  EXPECT_GT(s.hbm_evictions, 0);
+  EXPECT_LE(s.hbm_peak_bytes, s.hbm_capacity_bytes);
+  EXPECT_EQ(s.host_to_hbm_bytes, (s.hbm_misses) * int64_t(slot));
+}
+
+// Host tier smaller than the cache, the rest on disk: under `strict` the
+// outputs are the in-memory ones, bit for bit; under `deadline` the run
+// completes and counts what it skipped.
+TEST(CudaTiers, DiskTierStrictIsBitIdenticalAndDeadlineCompletes) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  const auto dir = std::filesystem::temp_directory_path() / ("questkv_cuda_disk_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  Config mem = MakeConfig(Backend::kCuda, c);
+  Config strict = mem;
+  strict.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
+  strict.host_bytes = 200 * 4096;  // 200 of ~800 pages
+  strict.disk_dir = dir.string();
+  strict.disk_bytes = 64 << 20;
+  strict.io_backend = IoBackendKind::kPread;
+  Config deadline = strict;
+  deadline.cold_miss = ColdMissPolicy::kDeadline;
+  deadline.disk_dir = (dir / "d").string();
+  std::filesystem::create_directories(deadline.disk_dir);
+  {
+    QKV_CREATE_CUDA(a, mem);
+    QKV_CREATE_CUDA(b, strict);
+    Twins tw({a.get(), b.get()}, mem.geometry, c.dtype);
+    RunScenario(tw, mem.geometry, 0, 3);
+    const TierStats s = b->tier_stats();
+    EXPECT_GT(s.host_to_disk_bytes, 0);
+    EXPECT_GT(s.disk_to_host_bytes, 0);
+    EXPECT_GT(s.cold_stalls, 0);
+    EXPECT_EQ(s.cold_stalls, s.cold_misses);
+    EXPECT_EQ(s.pages_skipped, 0);
+  }
+  {
+    QKV_CREATE_CUDA(d, deadline);
+    Twins tw({d.get()}, mem.geometry, c.dtype);
+    RunScenario(tw, mem.geometry, 0, 3);
+    const TierStats s = d->tier_stats();
+    EXPECT_EQ(s.cold_stalls, 0);
+    EXPECT_EQ(s.pages_skipped, s.cold_misses);
+    for (SeqId id = 1; id <= 5; ++id) ASSERT_TRUE(d->Free(id).ok());
+    EXPECT_EQ(d->live_pages(), 0u);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Fork (copy of a partial tail), rollback (in place and from a sealed page),
+// prefix sharing, and freeing, against the CPU backend.
+TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
+  const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5};
+  QKV_CREATE_CUDA(gpu, MakeConfig(Backend::kCuda, c));
+  auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+  ASSERT_TRUE(cpu.ok());
+  Runtime* rts[2] = {cpu->get(), gpu.get()};
+  Twins tw({rts[0], rts[1]}, gpu->config().geometry, c.dtype);
+  const auto a = tw.NewSeq();
+  tw.Append(a, 300, 64);  // 18 full pages and a tail of 12
+  std::vector<SeqId> f, p;
+  for (int i = 0; i < 2; ++i) {
+    auto id = rts[i]->Fork(a[i]);  // the partial tail is copied
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    f.push_back(*id);
+    auto pre = rts[i]->CreateFromPrefix(a[i], 10);
+    ASSERT_TRUE(pre.ok()) << pre.status().ToString();
+    p.push_back(*pre);
+  }
+  for (int l = 0; l < 3; ++l) tw.Decode({a, f, p}, l, c.tol);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(rts[i]->Rollback(f[i], 3).ok());   // 297: the private tail, in place
+    ASSERT_TRUE(rts[i]->Rollback(a[i], 20).ok());  // 280: sealed page 17 becomes a tail (a copy)
+  }
+  tw.Append(f, 5, 5);
+  tw.Append(p, 7, 3);
+  for (int l = 0; l < 3; ++l) tw.Decode({a, f, p}, l, c.tol);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(rts[i]->Rollback(f[i], 22).ok());  // 302 -> 280: shared page 17, copied
+  tw.Append(f, 40, 7);
+  for (int l = 0; l < 3; ++l) tw.Decode({f, a}, l, c.tol);
+  for (int l = 0; l < 3; ++l) {
+    auto ga = rts[0]->Gather(f[0], l);
+    auto gb = rts[1]->Gather(f[1], l);
+    ASSERT_TRUE(ga.ok() && gb.ok()) << gb.status().ToString();
+    EXPECT_EQ(ga->k, gb->k);
+    EXPECT_EQ(ga->v, gb->v);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (SeqId id : {a[i], f[i], p[i]}) ASSERT_TRUE(rts[i]->Free(id).ok());
+    EXPECT_EQ(rts[i]->live_pages(), 0u);
+  }
+}
+
+// Device pointers in the model dtype give the same bits as the host API.
+TEST(CudaApi, DevicePointersMatchHostApi) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  QKV_CREATE_CUDA(rt, MakeConfig(Backend::kCuda, c));
+  const Geometry& g = rt->config().geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qn = std::size_t(g.q_heads) * g.head_dim;
+  const int64_t n = 333;
+  auto k = Rounded(test::RandomNormal(n * row, 7), c.dtype);
+  auto v = Rounded(test::RandomNormal(n * row, 8), c.dtype);
+  auto q = Rounded(test::RandomNormal(qn, 9), c.dtype);
+  std::vector<__half> kh(k.size()), vh(v.size()), qh(q.size()), oh(qn);
+  for (std::size_t i = 0; i < k.size(); ++i) kh[i] = __float2half_rn(k[i]), vh[i] = __float2half_rn(v[i]);
+  for (std::size_t i = 0; i < q.size(); ++i) qh[i] = __float2half_rn(q[i]);
+  void *dk, *dv, *dq, *dout;
+  ASSERT_EQ(cudaMalloc(&dk, kh.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, vh.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dq, qh.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, qn * 2), cudaSuccess);
+  cudaMemcpy(dk, kh.data(), kh.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dv, vh.data(), vh.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dq, qh.data(), qh.size() * 2, cudaMemcpyHostToDevice);
+  auto s1 = rt->CreateSequence(), s2 = rt->CreateSequence();
+  for (int l = 0; l < g.layers; ++l) {
+    ASSERT_TRUE(rt->Append(*s1, l, k.data(), v.data(), n).ok());
+    ASSERT_TRUE(rt->AppendDevice(*s2, l, dk, dv, n).ok());
+  }
+  for (int l = 0; l < g.layers; ++l) {
+    std::vector<float> out(qn);
+    ASSERT_TRUE(rt->DecodeAttention(std::vector<SeqId>{*s1}, l, q.data(), out.data()).ok());
+    ASSERT_TRUE(rt->DecodeAttentionDevice(std::vector<SeqId>{*s2}, l, dq, dout).ok());
+    cudaMemcpy(oh.data(), dout, qn * 2, cudaMemcpyDeviceToHost);
+    for (std::size_t i = 0; i < qn; ++i) ASSERT_EQ(__half2float(oh[i]), out[i]) << "layer " << l << " elem " << i;
+  }
+  cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout);
+  auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->AppendDevice(1, 0, nullptr, nullptr, 1).code(), Code::kFailedPrecondition);
+}
+
+// Bad input: clear errors, and the runtime keeps serving.
+TEST(CudaErrors, BadInputLeavesTheRuntimeConsistent) {
+  Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config bad = MakeConfig(Backend::kCuda, c);
+  bad.geometry.head_dim = 96;
+  auto r = Runtime::Create(bad);
+  if (r.status().code() == Code::kFailedPrecondition || r.status().code() == Code::kUnimplemented)
+    GTEST_SKIP() << r.status().ToString();
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << r.status().ToString();
+
+  Config small = MakeConfig(Backend::kCuda, c);
+  small.hbm_bytes = 400 * 2 * 16 * 64 * 2;  // room for the staging, tails and sparse lists, not a long dense layer
+  QKV_CREATE_CUDA(rt, small);
+  Twins tw({rt.get()}, small.geometry, c.dtype);
+  const auto longer = tw.NewSeq();
+  const auto shorter = tw.NewSeq();
+  tw.Append(longer, 16 * 300, 1000);
+  tw.Append(shorter, 100, 100);
+  std::vector<float> q(2 * 8 * 64, 0.5f), out(q.size());
+  const SeqId dup[2] = {shorter[0], shorter[0]};
+  EXPECT_EQ(rt->DecodeAttention(dup, 1, q.data(), out.data()).code(), Code::kInvalidArgument);
+  const SeqId one[1] = {longer[0]};
+  EXPECT_EQ(rt->DecodeAttention(one, 0, q.data(), out.data()).code(), Code::kResourceExhausted);  // dense layer
+  const SeqId unknown[1] = {999};
+  EXPECT_EQ(rt->DecodeAttention(unknown, 1, q.data(), out.data()).code(), Code::kNotFound);
+  // Still serving: sparse layers of both, the dense layer of the short one.
+  tw.Decode({longer, shorter}, 1, 0);
+  tw.Decode({shorter}, 0, 0);
+  ASSERT_TRUE(rt->Free(longer[0]).ok());
+  ASSERT_TRUE(rt->Free(shorter[0]).ok());
+  EXPECT_EQ(rt->live_pages(), 0u);
+  EXPECT_EQ(rt->tier_stats().hbm_used_bytes, uint64_t(128) * 2 * 16 * 64 * 2);  // the staging slots only
+}
+
+}  // namespace
+}  // namespace questkv
