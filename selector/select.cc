@@ -98,20 +98,23 @@ const float* Selector::HeadScores(int q_head) const {
   return scores_.data() + q_head * n;
 }
 
-// agg_[i] := max or mean over the group's query heads of U_i.
-void Selector::Aggregate(int kv_head, int n, GqaMode mode) {
-  const int group = g_.group();
-  const float* first = HeadScores(kv_head * group);
-  agg_.assign(first, first + n);
+void AggregateGroupScores(const float* scores, int group, int n, GqaMode mode, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = scores[i];
   for (int gi = 1; gi < group; ++gi) {
-    const float* s = HeadScores(kv_head * group + gi);
+    const float* s = scores + std::size_t(gi) * n;
     if (mode == GqaMode::kMax)
-      for (int i = 0; i < n; ++i) agg_[i] = std::max(agg_[i], s[i]);
+      for (int i = 0; i < n; ++i) out[i] = std::max(out[i], s[i]);
     else
-      for (int i = 0; i < n; ++i) agg_[i] += s[i];
+      for (int i = 0; i < n; ++i) out[i] += s[i];
   }
   if (mode == GqaMode::kMean)
-    for (int i = 0; i < n; ++i) agg_[i] /= float(group);
+    for (int i = 0; i < n; ++i) out[i] /= float(group);
+}
+
+// agg_[i] := max or mean over the group's query heads of U_i.
+void Selector::Aggregate(int kv_head, int n, GqaMode mode) {
+  agg_.resize(n);
+  AggregateGroupScores(HeadScores(kv_head * g_.group()), g_.group(), n, mode, agg_.data());
 }
 
 // The best `count` pages of KV head h by group-max score outside mark_.

@@ -40,6 +40,11 @@ struct PageSelection {
   const int32_t* row(int h) const { return pages.data() + indptr[h]; }
 };
 
+// out[i] := the max or mean over the G rows of scores ([G][n], rows of n) of
+// U_i: one KV head's ranking under GqaMode kMax / kMean. The one definition,
+// so that the context-parallel selection (parallel/) ranks with the same bits.
+void AggregateGroupScores(const float* scores, int group, int n, GqaMode mode, float* out);
+
 class Selector {
  public:
   // Geometry and policy must already be validated.
