@@ -112,6 +112,8 @@ class CudaBackendImpl final : public CudaBackend {
   Status ReadTail(uint32_t part, PageId tail, void* dst) override;
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
   Status DecodeStep(const Step& s) override;
+  Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
+                                  int64_t* bytes) override;
   CudaCounters counters() override;
 
  private:
@@ -204,10 +206,10 @@ Status CudaBackendImpl::Init() {
   const int G = g_.group();
   if (G != 1 && G != 2 && G != 4 && G != 8)
     return Status::InvalidArgument("the CUDA backend supports GQA groups 1, 2, 4, 8, not " + std::to_string(G));
-  if (!host_->region().pinned())
-    return Status::FailedPrecondition("the host tier is not pinned and mapped for the GPU");
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return Status::FailedPrecondition("no usable CUDA device");
+  if (!host_->region().pinned())
+    return Status::FailedPrecondition("the host tier is not pinned and mapped for the GPU");
   int dev = 0;
   QKV_CUDA(cudaGetDevice(&dev));
   QKV_CUDA(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
@@ -935,6 +937,47 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page));
   }
   return Status::Ok();
+}
+
+Result<double> CudaBackendImpl::TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes,
+                                                 int reps, int64_t* bytes) {
+  const int H = g_.kv_heads;
+  const std::size_t head_page = 2 * piece();
+  std::vector<kc::GatherJob> jobs;
+  int64_t total = 0;
+  for (const PageList* l : lists)
+    for (PageId page : l->pages) {
+      total += int64_t(H) * int64_t(head_page);
+      const void* home = mover_->HostHome(page);
+      if (!home || (jobs.size() + H) * head_page > max_bytes) continue;
+      const char* d = static_cast<const char*>(home_dev(home));
+      for (int h = 0; h < H; ++h)
+        jobs.push_back({d + std::size_t(h) * piece(), d + std::size_t(H + h) * piece(),
+                        reinterpret_cast<void*>(jobs.size() * head_page)});  // offset, rebased below
+    }
+  if (jobs.empty()) return Status::FailedPrecondition("no page has a host home to stream from");
+  DevBuf dst, meta;
+  QKV_RETURN_IF_ERROR(dst.Reserve(jobs.size() * head_page));
+  for (kc::GatherJob& j : jobs) j.dst = dst.as<char>() + reinterpret_cast<uintptr_t>(j.dst);
+  QKV_RETURN_IF_ERROR(meta.Reserve(jobs.size() * sizeof(kc::GatherJob) + 16));
+  const int32_t n = int32_t(jobs.size());
+  QKV_CUDA(cudaMemcpyAsync(meta.as(), jobs.data(), jobs.size() * sizeof(kc::GatherJob), cudaMemcpyHostToDevice, stream_));
+  auto* count = reinterpret_cast<int32_t*>(meta.as<char>() + jobs.size() * sizeof(kc::GatherJob));
+  QKV_CUDA(cudaMemcpyAsync(count, &n, 4, cudaMemcpyHostToDevice, stream_));
+  std::vector<float> ms;
+  for (int r = 0; r <= reps; ++r) {  // the first is a warm-up
+    QKV_CUDA(cudaEventRecord(ev_[0], stream_));
+    QKV_CUDA(kc::LaunchGather(meta.as<kc::GatherJob>(), count, piece(), sms_, stream_));
+    QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+    QKV_RETURN_IF_ERROR(Sync());
+    float t = 0;
+    QKV_CUDA(cudaEventElapsedTime(&t, ev_[0], ev_[1]));
+    if (r > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double measured = double(jobs.size() * head_page);
+  *bytes = total;
+  return 1e3 * double(ms[ms.size() / 2]) * double(total) / measured;
 }
 
 CudaCounters CudaBackendImpl::counters() {

@@ -113,6 +113,15 @@ class CudaBackend {
   };
   virtual Status DecodeStep(const Step& s) = 0;
 
+  // Dense offload, measured: streams every sealed page of the lists (all
+  // heads, K and V) from its pinned host home into device memory with the
+  // zero-copy gather, as a decode step that keeps nothing in HBM must, and
+  // returns the median time of `reps` runs in microseconds. At most
+  // `max_bytes` are streamed; beyond that the time is scaled by the bytes
+  // (the gather runs at a flat rate). *bytes gets the bytes it stands for.
+  virtual Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
+                                          int64_t* bytes) = 0;
+
   virtual CudaCounters counters() = 0;
 };
 

@@ -614,6 +614,20 @@ Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, co
   return I.DecodeCuda(layer, q, out, /*host_f32=*/false, /*dense=*/false, selections, stats);
 }
 
+Result<double> Runtime::TimeDenseOffload(std::span<const SeqId> seqs, int layer, std::size_t max_bytes, int reps,
+                                         int64_t* bytes) {
+  Impl& I = *impl_;
+  if (!I.cuda) return Status::FailedPrecondition("TimeDenseOffload needs the CUDA backend");
+  QKV_RETURN_IF_ERROR(I.CheckLayer(layer));
+  if (reps < 1 || !bytes) return Status::InvalidArgument("reps must be >= 1 and bytes non-null");
+  std::vector<const PageList*> lists;
+  for (SeqId id : seqs) {
+    QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(id));
+    lists.push_back(&s->layers[layer]);
+  }
+  return I.cuda->TimeDenseOffload(lists, max_bytes, reps, bytes);
+}
+
 Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out) {
   Impl& I = *impl_;
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));

@@ -104,6 +104,14 @@ class Runtime {
   Status DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
                                std::vector<PageSelection>* selections = nullptr, AttendStats* stats = nullptr);
 
+  // CUDA backend only: the time, in microseconds, to stream every page of
+  // the sequences at `layer` from pinned host memory into the GPU, as dense
+  // attention over an offloaded cache must each step (the zero-copy gather,
+  // median of `reps`). At most `max_bytes` are streamed; past that the time
+  // is scaled by the bytes. *bytes gets what the time stands for.
+  Result<double> TimeDenseOffload(std::span<const SeqId> seqs, int layer, std::size_t max_bytes, int reps,
+                                  int64_t* bytes);
+
   // Dense attention over every token (the reference path), same shapes. On
   // the CUDA backend it goes through hbm like any step, so hbm must hold every
   // page of the batch's sequences at that layer.

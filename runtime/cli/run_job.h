@@ -58,6 +58,11 @@ struct RunReport {
   // Streaming every page of every layer (K/V, all heads, at the geometry's
   // dtype) over the host link each step.
   int64_t dense_offload_bytes = 0;
+  // CUDA backend: the time to stream one layer's pages of the batch from
+  // pinned host memory, measured on `offload_layers` sparse layers at step 0
+  // (mean); times the layer count, a dense-offload step's transfer alone.
+  int offload_layers = 0;
+  double offload_us_per_layer = 0;
   struct Links {
     int64_t host_to_hbm = 0, hbm_to_host = 0, host_to_disk = 0, disk_to_host = 0;
   };
