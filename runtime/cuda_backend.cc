@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cassert>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -76,11 +79,35 @@ class DevBuf {
 
 std::size_t Align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
+// Host-side time of DecodeStep's phases, summed; printed to stderr at exit
+// when QUESTKV_PROFILE is set (to see what the host adds to a step).
+struct HostProfile {
+  double us[4] = {};
+  int64_t calls = 0;
+};
+class HostClock {
+ public:
+  explicit HostClock(HostProfile& p) : p_(p), last_(std::chrono::steady_clock::now()) { ++p_.calls; }
+  void Mark(int phase) {
+    const auto now = std::chrono::steady_clock::now();
+    p_.us[phase] += std::chrono::duration<double, std::micro>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  HostProfile& p_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
       : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
   ~CudaBackendImpl() override {
+    if (std::getenv("QUESTKV_PROFILE") && prof_.calls)
+      std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): plan+upload %.1f, launch %.1f, "
+                           "device wait %.1f, readback %.1f\n", (long long)prof_.calls, prof_.us[0] / prof_.calls,
+                   prof_.us[1] / prof_.calls, prof_.us[2] / prof_.calls, prof_.us[3] / prof_.calls);
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
@@ -125,6 +152,7 @@ class CudaBackendImpl final : public CudaBackend {
     DevBuf list;                     // [owned.size()] LRU first, reordered by the resolve
     DevBuf pages;                    // device mirror of the page list
     int64_t pages_len = 0;
+    int64_t last_need = 0;           // slots its last step could select: what it keeps
   };
 
   std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
@@ -154,6 +182,9 @@ class CudaBackendImpl final : public CudaBackend {
   Status Sync();
   Status GrowPages(Partition& P, int64_t len);
   Status GrowList(uint32_t part, int64_t need);
+  Status Shrink(uint32_t part, int64_t k);
+  Status Reclaim(int64_t want, uint32_t except);
+  Status ExtendList(uint32_t part, const std::vector<int32_t>& slots);
   Status AssignTail(uint32_t part, PageId page);
   Status RebuildSummary(const void* k_heads_host, PageId page, int len);
   Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
@@ -181,6 +212,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::vector<Partition> parts_;
   std::vector<uint32_t> free_parts_;
   int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
+  HostProfile prof_;
 
   // Per-call buffers.
   DevBuf header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
@@ -315,6 +347,7 @@ Status CudaBackendImpl::FlushUpdates() {
 
 Result<uint32_t> CudaBackendImpl::AddPartition() {
   const int H = g_.kv_heads;
+  QKV_RETURN_IF_ERROR(Reclaim(H, 0));
   if (int64_t(free_.size()) < H)
     return Status::ResourceExhausted("hbm: no free slots for a new tail (" + std::to_string(slots_) + " slots)");
   uint32_t id;
@@ -372,21 +405,23 @@ Status CudaBackendImpl::SetPages(uint32_t part, std::span<const PageId> pages) {
   return Status::Ok();
 }
 
-// The list must hold `need` slots; a growing list also takes up to as many
-// again when the pool has room to spare, so that it grows rarely and caches
-// beyond one step's selection. New (empty) slots go in front: first victims.
+// The list must hold `need` slots. A growing list also borrows up to three
+// times as many more while the pool has them free, so that it grows rarely and
+// caches beyond one step's selection; a list short of free slots takes back
+// what others hold beyond their last step's need, least recently used first.
 Status CudaBackendImpl::GrowList(uint32_t part, int64_t need) {
   Partition& P = parts_[part];
+  P.last_need = need;
   const int64_t have = int64_t(P.owned.size());
   if (have >= need) return Status::Ok();
   const int64_t add = need - have;
+  QKV_RETURN_IF_ERROR(Reclaim(add, part));
   if (int64_t(free_.size()) < add)
     return Status::ResourceExhausted("hbm too small: a (sequence, layer) needs " + std::to_string(need) +
                                      " head-page slots for one step's selection, " + std::to_string(have) +
                                      " held and " + std::to_string(free_.size()) + " free of " +
                                      std::to_string(slots_) + " (raise hbm_bytes or lower the budget)");
-  const int64_t reserve = slots_ / 8;
-  const int64_t extra = std::clamp<int64_t>(int64_t(free_.size()) - add - reserve, 0, need);
+  const int64_t extra = std::clamp<int64_t>(int64_t(free_.size()) - add, 0, 3 * need);
   const int64_t take = add + extra;
   std::vector<int32_t> fresh(free_.end() - take, free_.end());
   free_.resize(free_.size() - take);
@@ -399,6 +434,56 @@ Status CudaBackendImpl::GrowList(uint32_t part, int64_t need) {
   P.list = std::move(list);
   P.owned.insert(P.owned.end(), fresh.begin(), fresh.end());
   slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  return Status::Ok();
+}
+
+// Slots (already holding pages) join the list at its most recently used end.
+Status CudaBackendImpl::ExtendList(uint32_t part, const std::vector<int32_t>& slots) {
+  if (slots.empty()) return Status::Ok();
+  Partition& P = parts_[part];
+  const int64_t have = int64_t(P.owned.size());
+  DevBuf list;
+  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(have + slots.size()) * 4));
+  if (have) QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as(), have * 4, cudaMemcpyDeviceToDevice, stream_));
+  QKV_RETURN_IF_ERROR(Upload(list.as<int32_t>() + have, slots.data(), slots.size() * 4));
+  QKV_RETURN_IF_ERROR(Sync());
+  P.list = std::move(list);
+  P.owned.insert(P.owned.end(), slots.begin(), slots.end());
+  slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  return Status::Ok();
+}
+
+// Until `want` slots are free: lists give back what they hold beyond their
+// last step's need (pages cached on the side, or left resident by prefill).
+Status CudaBackendImpl::Reclaim(int64_t want, uint32_t except) {
+  for (uint32_t q = 1; q < parts_.size() && int64_t(free_.size()) < want; ++q) {
+    const Partition& Q = parts_[q];
+    const int64_t surplus = int64_t(Q.owned.size()) - Q.last_need;
+    if (q == except || !Q.live || surplus <= 0) continue;
+    QKV_RETURN_IF_ERROR(Shrink(q, std::min<int64_t>(surplus, want - int64_t(free_.size()))));
+  }
+  return Status::Ok();
+}
+
+// The k least recently used slots of a list go back to the free pool (their
+// pages lose residency). Only between steps: nothing of the list is in use.
+Status CudaBackendImpl::Shrink(uint32_t part, int64_t k) {
+  Partition& P = parts_[part];
+  const int64_t n = int64_t(P.owned.size());
+  std::vector<int32_t> lru(k);
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  QKV_CUDA(cudaMemcpyAsync(lru.data(), P.list.as(), k * 4, cudaMemcpyDeviceToHost, stream_));
+  DevBuf list;
+  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(std::max<int64_t>(n - k, 1)) * 4));
+  if (n > k)
+    QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as<int32_t>() + k, (n - k) * 4, cudaMemcpyDeviceToDevice, stream_));
+  QKV_RETURN_IF_ERROR(Sync());
+  P.list = std::move(list);
+  for (int32_t s : lru) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  std::sort(lru.begin(), lru.end());
+  std::erase_if(P.owned, [&](int32_t s) { return std::binary_search(lru.begin(), lru.end(), s); });
+  free_.insert(free_.end(), lru.begin(), lru.end());
   return Status::Ok();
 }
 
@@ -511,13 +596,20 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   QKV_RETURN_IF_ERROR(Upload(P.pages.as<uint32_t>() + old_pages, fresh.data(), fresh.size() * 4));
   P.pages_len = total_pages;
   std::size_t next_seal = 0;
+  // Full pages of the chunk keep free slots (they stay resident, joining the
+  // list at the end) while the pool has them; the rest pass through staging.
+  std::unordered_map<PageId, std::size_t> resident_at;  // page -> index of its Hkv slots in `resident`
+  std::vector<int32_t> resident;
   auto seal_through = [&](int64_t last_logical, const std::vector<int32_t>& staged_base, int64_t first_staged) -> Status {
     std::vector<kc::SealJob> jobs;
     for (; next_seal < sealing.size() && sealing[next_seal].logical <= last_logical; ++next_seal) {
       const Sealing& s = sealing[next_seal];
       char* home = static_cast<char*>(home_dev(s.home));
       for (int h = 0; h < H; ++h) {
-        const int32_t slot = s.page == P.tail_page ? P.tail[h] : staged_base[(s.logical - first_staged) * H + h];
+        const auto r = resident_at.find(s.page);
+        const int32_t slot = s.page == P.tail_page    ? P.tail[h]
+                             : r != resident_at.end() ? resident[r->second + h]
+                                                      : staged_base[(s.logical - first_staged) * H + h];
         jobs.push_back({slot_ptr(slot), home + std::size_t(h) * piece(), home + std::size_t(H + h) * piece()});
       }
     }
@@ -559,6 +651,13 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
       const bool partial_last = p == total_pages - 1 && end % S != 0;
       if (partial_last) {
         QKV_RETURN_IF_ERROR(AssignTail(part, id));
+      } else if (int64_t(free_.size()) >= H) {
+        resident_at[id] = resident.size();
+        for (int h = 0; h < H; ++h) {
+          resident.push_back(free_.back());
+          free_.pop_back();
+          SetSlot(resident.back(), id, h);
+        }
       } else {
         for (int h = 0; h < H; ++h) Set(hbm_cell(id, h), staging_[(p - p0) * H + h], kc::TableOp::kSet32);
       }
@@ -574,12 +673,13 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
     QKV_RETURN_IF_ERROR(seal_through(p1 - 1, staging_, p0));
     // Staged pages leave the staging slots (their homes hold them now).
     for (PageId id : chunk)
-      if (id != P.tail_page)
+      if (id != P.tail_page && !resident_at.count(id))
         for (int h = 0; h < H; ++h) Set(hbm_cell(id, h), -1, kc::TableOp::kSet32);
     t = t1;
   }
   QKV_RETURN_IF_ERROR(FlushUpdates());
-  QKV_RETURN_IF_ERROR(Sync());
+  QKV_RETURN_IF_ERROR(ExtendList(part, resident));
+  QKV_RETURN_IF_ERROR(Sync());  // the homes hold their bytes now
   for (const Sealing& s : sealing) mover_->SealEnd(s.page);
   list.pages.insert(list.pages.end(), fresh.begin(), fresh.end());
   list.tokens = end;
@@ -668,6 +768,7 @@ Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst)
 // ---- the decode step ---------------------------------------------------------------
 
 Status CudaBackendImpl::DecodeStep(const Step& s) {
+  HostClock clock(prof_);
   const int B = int(s.lists.size()), H = g_.kv_heads, G = g_.group(), D = g_.head_dim, S = g_.page_size;
   const int rows = B * H;
   const std::size_t qelems = std::size_t(B) * g_.q_heads * D;
@@ -700,11 +801,20 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   for (int r = 0; r < rows; ++r) max_row = std::max(max_row, sel_indptr[r + 1] - sel_indptr[r]);
 
   // Each partition's list holds at least what its sequence may select.
-  std::vector<int32_t> part_indptr(B + 1, 0);
+  // (Needs first: a list grown here may lend only beyond its own need.)
+  std::vector<int64_t> prev_need(B);
   for (int b = 0; b < B; ++b) {
-    QKV_RETURN_IF_ERROR(GrowList(s.partitions[b], sel_indptr[(b + 1) * H] - sel_indptr[b * H]));
-    part_indptr[b + 1] = part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
+    prev_need[b] = parts_[s.partitions[b]].last_need;
+    parts_[s.partitions[b]].last_need = sel_indptr[(b + 1) * H] - sel_indptr[b * H];
   }
+  for (int b = 0; b < B; ++b) {
+    if (Status st = GrowList(s.partitions[b], parts_[s.partitions[b]].last_need); !st.ok()) {
+      for (int i = 0; i < B; ++i) parts_[s.partitions[i]].last_need = prev_need[i];  // as before the call
+      return st;
+    }
+  }
+  std::vector<int32_t> part_indptr(B + 1, 0);
+  for (int b = 0; b < B; ++b) part_indptr[b + 1] = part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
   kc::ResolvePlan rplan;
   const kc::ResolveShape rshape{B, H, S, D, dt,
                                 c_.cold_miss == ColdMissPolicy::kStrict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline};
@@ -772,6 +882,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   QKV_RETURN_IF_ERROR(FlushUpdates());
 
   // select -> resolve -> attend, one stream.
+  clock.Mark(0);  // planning, growth, uploads
   QKV_CUDA(cudaEventRecord(ev_[0], stream_));
   kc::SelectParams sp;
   sp.shape = shape;
@@ -890,7 +1001,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_CUDA(cudaMemcpyAsync(sel_pages.data(), sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
     QKV_CUDA(cudaMemcpyAsync(sel_count.data(), sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
   }
+  clock.Mark(1);  // launches
   QKV_CUDA(cudaStreamSynchronize(stream_));
+  clock.Mark(2);  // waiting for the device
   if (out_stage) std::memcpy(s.out, out_stage, qelems * 4);
   QKV_RETURN_IF_ERROR(Sync());
   if (qcounts[1] != 0)
@@ -936,6 +1049,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_RETURN_IF_ERROR(read_cold());
     for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page));
   }
+  clock.Mark(3);  // reading back selections, timings, host queues
   return Status::Ok();
 }
 

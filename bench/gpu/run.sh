@@ -2,10 +2,13 @@
 # One device call: GPU tests, compute-sanitizer on a small subset, then the
 # benchmarks; a short table last, everything under $OUT.
 #   usage (device machine, repo root): bash bench/gpu/run.sh [bin_dir] [bench args]
-# bin_dir holds questkv_kernels_cuda_test, questkv_gather_bench and questkv_gpu_kernels_bench built
-# for sm_90 (default .device/bin). SAN=0 skips compute-sanitizer; SDPA=0 skips
-# the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py), whose comparison
-# table then comes last.
+# bin_dir holds, built for sm_90 (default .device/bin): questkv_kernels_cuda_test,
+# questkv_gather_bench, questkv_gpu_kernels_bench (kernels), questkv_runtime_cuda_test
+# (the CUDA backend end to end) and questkv (the e2e runs). A part whose
+# binary is absent is skipped. SAN=0 skips compute-sanitizer; SDPA=0 skips
+# the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py); KERNELS=0 skips the
+# kernel tests and benchmarks; E2E="run ..." adds bench/gpu/e2e.sh's runs
+# (issue #5), whose table then comes last.
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true
@@ -13,6 +16,16 @@ OUT=${OUT:-/tmp/questkv-gpu-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 status=0
+if [ -x "$BIN/questkv_runtime_cuda_test" ]; then
+  echo "== runtime tests (CUDA backend against the CPU backend)"
+  "$BIN/questkv_runtime_cuda_test" --gtest_output="json:$OUT/runtime-tests.json" >"$OUT/runtime-tests.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error" "$OUT/runtime-tests.log" | head -20
+fi
+if [ "${KERNELS:-1}" = 0 ] || [ ! -x "$BIN/questkv_kernels_cuda_test" ]; then
+  echo "kernel tests and benchmarks: skipped"
+  if [ -n "${E2E:-}" ]; then bash bench/gpu/e2e.sh "$BIN" $E2E || status=1; fi
+  exit $status
+fi
 echo "== tests"
 "$BIN/questkv_kernels_cuda_test" --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1 || status=1
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error" "$OUT/tests.log" | head -40
@@ -41,4 +54,5 @@ if [ "${SDPA:-1}" != 0 ]; then
   echo "== sdpa baseline"
   python3 bench/gpu/sdpa_baseline.py --bench-json "$OUT/bench.json" 2>&1 | tee "$OUT/sdpa.log" | tail -40
 fi
+if [ -n "${E2E:-}" ]; then bash bench/gpu/e2e.sh "$BIN" $E2E || status=1; fi
 exit $status

@@ -15,7 +15,9 @@
 //     head-page, last_use = step. Owners left without a slot release their
 //     claim (cell = -1): a bypass. Then the list is reordered stably: slots
 //     not used at `step` first, then those used (hit or filled), each group
-//     in its old order — the LRU order for the next step.
+//     in its old order — the LRU order for the next step. A sequence with no
+//     owned miss leaves its list as it is (lists may hold every page of a
+//     long sequence; its hits' recency stays in last_use).
 //  3. finalize, per row: every miss reads its cell (its owner's slot, or -1);
 //     entries with a slot are written to out_slots in selection order, cold
 //     entries go to the cold queue, misses without a slot to the bypass queue.
@@ -80,6 +82,7 @@ void ResolveCpu(const ResolveCpuParams& p) {
         const int64_t e = p.sel_indptr[r] + i;
         if (state[e] == kMiss && cell(e, r) == int32_t(kClaimBase + e)) owners.push_back(e);
       }
+    if (owners.empty()) continue;  // no miss to place: the list stays as it is
     int32_t* const part = p.part_lists ? p.part_lists[b] : p.part_slots + p.part_indptr[b];
     std::vector<int32_t> list(part, part + (p.part_indptr[b + 1] - p.part_indptr[b]));
     std::size_t k = 0;

@@ -4,7 +4,8 @@
 //     (claim the residency cell with atomicMin: the lowest entry owns it).
 //  2. AssignKernel, a block per sequence: block scans rank the owned misses
 //     and the eligible slots of the partition's list; the k-th miss takes the
-//     k-th eligible slot; the rest bypass; then a stable reorder of the list.
+//     k-th eligible slot; the rest bypass; then a stable reorder of the list
+//     (a sequence without misses leaves its list untouched).
 //     Blocks touch disjoint slots and disjoint residency cells (a claimed cell
 //     is never resident, an evicted one was not selected this step).
 //  3. FinalizeKernel, a warp per row: compacts the slots to attend, pushes
@@ -137,6 +138,10 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
     owners += total;
     __syncthreads();
   }
+  // Nothing to place: the list is left as it is (scanning and reordering a
+  // list that holds every page of a long sequence would cost more than the
+  // step; the hits' recency is in slot_last_use).
+  if (owners == 0) return;
 
   // Eligible slots in list order take the owned misses in order.
   const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];

@@ -172,7 +172,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       for (int b = 0; b < B; ++b)
         QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
       const auto t1 = std::chrono::steady_clock::now();
-      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(), &sels, &stats));
+      // Selections are read back only when the diagnostics need them.
+      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(), diagnose ? &sels : nullptr,
+                                             &stats));
       const auto t2 = std::chrono::steady_clock::now();
       append_us += 1e6 * std::chrono::duration<double>(t1 - t0).count();
       step_seconds += std::chrono::duration<double>(t2 - t0).count();

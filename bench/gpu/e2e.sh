@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# End-to-end `questkv run --backend cuda` jobs (issue #5): each named run's
+# JSON report lands in $OUT/e2e-<name>.json, then bench/gpu/e2e_table.py
+# prints the table (tiered against all-in-HBM, dense offload, PCIe saved).
+#   usage (device machine, repo root): bash bench/gpu/e2e.sh [bin_dir] [run ...]
+# Runs (default: l3-all l3-2g l3g-all l3g-2g):
+#   l3-all   Llama-3-8B, 128K, structured, every page in HBM (the ceiling)
+#   l3-2g    the same with a 2 GiB HBM K/V budget
+#   l3g-all, l3g-2g   the gaussian workload (no locality: the worst case)
+#   l2-8g    Llama-2-7B, 128K (64 GiB of K/V), 8 GiB of HBM
+#   sweep    Llama-3-8B at 2K..512K, every page in HBM and a budget of 1/8 of the K/V
+#   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
+#            64 GiB pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
+set -u -o pipefail
+BIN=${1:-.device/bin}
+shift || true
+RUNS=${*:-l3-all l3-2g l3g-all l3g-2g}
+OUT=${OUT:-/tmp/questkv-gpu-out}
+STEPS=${STEPS:-32}
+DISK=${DISK:-/tmp/questkv-disk}
+mkdir -p "$OUT"
+Q="$BIN/questkv run --backend cuda --no-progress --json --token-budget 2048"
+L3="--preset llama3-8b --context 131072 --steps $STEPS"
+status=0
+one() {  # name, flags...
+  local name=$1
+  shift
+  echo "== e2e $name: $*" >&2
+  local t0=$(date +%s%N)
+  if QUESTKV_PROFILE=1 $Q "$@" >"$OUT/e2e-$name.json" 2>"$OUT/e2e-$name.err"; then
+    echo "   done in $((($(date +%s%N) - t0) / 1000000)) ms; $(tail -1 "$OUT/e2e-$name.err")" >&2
+  else
+    echo "   FAILED: $(tail -3 "$OUT/e2e-$name.err")" >&2
+    rm -f "$OUT/e2e-$name.json"
+    status=1
+  fi
+}
+for run in $RUNS; do
+  case $run in
+    l3-all) one l3-all $L3 --recall-every 32 ;;
+    l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
+    l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;
+    l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;
+    l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
+    sweep)
+      for ctx in 2048 8192 32768 131072 524288; do
+        kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16
+        one sweep-$ctx-all --preset llama3-8b --context $ctx --steps 16 --recall-every 0
+        one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
+      done ;;
+    l3-1m-strict | l3-1m-deadline)
+      rm -rf "$DISK" && mkdir -p "$DISK"
+      one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every 0 --hbm-bytes 16G \
+        --host-bytes 64G --disk-dir "$DISK" --disk-bytes 60G --cold-miss ${run#l3-1m-}
+      rm -rf "$DISK" ;;
+    *) echo "unknown run $run" >&2; status=1 ;;
+  esac
+done
+python3 bench/gpu/e2e_table.py "$OUT" | tee "$OUT/e2e-table.txt"
+exit $status

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""The table of bench/gpu/e2e.sh: one row per e2e-<name>.json under a folder.
+
+Columns: step p50 (all layers), its breakdown, hit rate, host-link bytes per
+step, PCIe saved against dense offload, the measured dense-offload step and
+Quest's speedup over it, and — for a tiered run whose all-in-HBM twin ran
+(<x>-2g beside <x>-all, sweep-N-8th beside sweep-N-all) — the step against
+the twin's and whether the output digests agree."""
+import json
+import os
+import sys
+
+
+def load(folder):
+    runs = {}
+    for f in sorted(os.listdir(folder)):
+        if f.startswith("e2e-") and f.endswith(".json"):
+            with open(os.path.join(folder, f)) as fh:
+                try:
+                    runs[f[4:-5]] = json.load(fh)
+                except json.JSONDecodeError:
+                    pass
+    return runs
+
+
+def twin(name, runs):
+    for a, b in (("-2g", "-all"), ("-8th", "-all")):
+        if name.endswith(a) and name[: -len(a)] + b in runs:
+            return runs[name[: -len(a)] + b]
+    return None
+
+
+def main():
+    runs = load(sys.argv[1] if len(sys.argv) > 1 else ".")
+    hdr = ("run", "ctx", "hbm GiB", "step ms", "app/sel/res/att ms", "hit %", "link MiB/step", "PCIe saved",
+           "offload ms", "x offload", "vs all-HBM", "digest")
+    rows = []
+    for name, r in runs.items():
+        steps = max(1, r["decode_steps"])
+        bd = r["step_breakdown_us"]
+        off = r.get("dense_offload_time", {})
+        t = twin(name, runs)
+        vs = ""
+        if t is not None:
+            vs = "%.2fx %s" % (r["step_latency_us"]["p50"] / max(1e-9, t["step_latency_us"]["p50"]),
+                               "same" if t["output_digest"] == r["output_digest"] else "DIFFERENT")
+        rows.append((name, "%dK" % (r["context_tokens"] // 1024), "%.1f" % (r["tiers"]["hbm"]["capacity_bytes"] / 2**30),
+                     "%.2f" % (r["step_latency_us"]["p50"] / 1e3),
+                     "%.2f/%.2f/%.2f/%.2f" % (bd["append"] / 1e3, bd["select"] / 1e3, bd["resolve"] / 1e3, bd["attend"] / 1e3),
+                     "%.1f" % (100 * r["hbm_cache"]["hit_rate"]), "%.1f" % (r["host_link_bytes"] / steps / 2**20),
+                     "%.2f%%" % (100 * r["pcie_saved"]), "%.1f" % (off.get("step_us_extrapolated", 0) / 1e3),
+                     "%.1fx" % off.get("quest_speedup", 0), vs, r["output_digest"][:8]))
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)] if rows else [len(h) for h in hdr]
+    for row in (hdr, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()
