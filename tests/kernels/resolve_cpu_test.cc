@@ -256,6 +256,7 @@ Outcome RunModel(World& w, const Selection& s, int64_t step, bool strict, int qu
         std::copy_n(w.TrueBytes(key.first, key.second, kv), w.piece, w.pool.data() + (std::size_t(sl) * 2 + kv) * w.piece);
       o.counters.bytes_host_to_hbm += 2 * w.piece;
     }
+    if (mine.empty()) continue;  // nothing placed: the list is left as it is
     std::stable_partition(list.begin(), list.end(), [&](int32_t sl) { return w.last_use[sl] != step; });
     std::copy(list.begin(), list.end(), w.part_slots.begin() + w.part_indptr[b]);
   }
