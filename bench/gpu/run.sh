@@ -7,7 +7,7 @@
 # (the CUDA backend end to end) and questkv (the e2e runs). A part whose
 # binary is absent is skipped. SAN=0 skips compute-sanitizer; SDPA=0 skips
 # the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py); KERNELS=0 skips the
-# kernel tests and benchmarks; E2E="run ..." adds bench/gpu/e2e.sh's runs
+# kernel tests and benchmarks, BENCH=0 the kernel benchmarks; E2E="run ..." adds bench/gpu/e2e.sh's runs
 # (issue #5), whose table then comes last.
 set -u -o pipefail
 BIN=${1:-.device/bin}
@@ -43,6 +43,11 @@ elif command -v compute-sanitizer >/dev/null; then
   done
 else
   echo "compute-sanitizer: not found"
+fi
+if [ "${BENCH:-1}" = 0 ]; then
+  echo "kernel benchmarks: skipped (BENCH=0)"
+  if [ -n "${E2E:-}" ]; then bash bench/gpu/e2e.sh "$BIN" $E2E || status=1; fi
+  exit $status
 fi
 echo "== miss gather and resolve"
 if [ -x "$BIN/questkv_gather_bench" ]; then
