@@ -156,6 +156,12 @@ class CudaBackendImpl final : public CudaBackend {
   };
 
   std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
+  // Summaries are kept in the model dtype: the min and max of keys stored in
+  // that dtype are values of it, so nothing is rounded and scores (computed
+  // in f32) are the same bits as from f32 summaries — at half the bytes the
+  // select reads, for f16/bf16.
+  kc::DType sum_dtype() const { return kc::DType(g_.dtype); }
+  std::size_t summary_bytes() const { return g_.summary_elems() * DTypeBytes(g_.dtype); }
   char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
   int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
   void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }
@@ -215,7 +221,7 @@ class CudaBackendImpl final : public CudaBackend {
   HostProfile prof_;
 
   // Per-call buffers.
-  DevBuf header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
+  DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
       res_count_, queues_, sel_ws_, res_ws_, att_ws_;
   std::size_t att_ws_zeroed_ = 0;
 
@@ -263,7 +269,7 @@ Status CudaBackendImpl::Init() {
   slots_ = want;
   const std::size_t P = c_.max_pages;
   QKV_RETURN_IF_ERROR(pool_.Reserve(std::size_t(slots_) * slot_bytes));
-  QKV_RETURN_IF_ERROR(summaries_.Reserve(P * g_.summary_elems() * sizeof(float)));
+  QKV_RETURN_IF_ERROR(summaries_.Reserve(P * summary_bytes()));
   QKV_RETURN_IF_ERROR(hbm_slot_.Reserve(P * H * sizeof(int32_t)));
   QKV_RETURN_IF_ERROR(host_addr_.Reserve(P * sizeof(void*)));
   QKV_RETURN_IF_ERROR(slot_page_.Reserve(slots_ * sizeof(uint32_t)));
@@ -530,7 +536,7 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
   const int32_t* d = static_cast<const int32_t*>(StageDev(st));
   kc::AppendParams p;
   p.kv_dtype = kc::DType(g_.dtype);
-  p.summary_dtype = kc::DType::kF32;
+  p.summary_dtype = sum_dtype();
   p.batch = 1;
   p.kv_heads = g_.kv_heads;
   p.page_size = g_.page_size;
@@ -663,7 +669,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
       }
     }
     QKV_RETURN_IF_ERROR(FlushUpdates());
-    QKV_CUDA(kc::LaunchResetSummaries(summaries_.as(), kc::DType::kF32, P.pages.as<uint32_t>() + p0, int(p1 - p0), H,
+    QKV_CUDA(kc::LaunchResetSummaries(summaries_.as(), sum_dtype(), P.pages.as<uint32_t>() + p0, int(p1 - p0), H,
                                       g_.head_dim, stream_));
     const int64_t t1 = std::min(end, p1 * S);
     const void *kd, *vd;
@@ -698,8 +704,12 @@ Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, in
   const float* heads[kernels::kMaxKvHeads];
   for (int h = 0; h < H; ++h) heads[h] = keys.data() + h * hp;
   kernels::RebuildSummaryHeadsCpu(heads, summary.data(), H, g_.head_dim, len);
-  return Upload(summaries_.as<float>() + std::size_t(page) * g_.summary_elems(), summary.data(),
-                summary.size() * sizeof(float));
+  // Through f32 on the device, converted exactly (the values are keys' values).
+  QKV_RETURN_IF_ERROR(summary_f32_.Reserve(summary.size() * sizeof(float)));
+  QKV_RETURN_IF_ERROR(Upload(summary_f32_.as(), summary.data(), summary.size() * sizeof(float)));
+  QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), kc::DType::kF32, summaries_.as<char>() + std::size_t(page) * summary_bytes(),
+                             sum_dtype(), summary.size(), stream_));
+  return Status::Ok();
 }
 
 Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len) {
@@ -709,7 +719,7 @@ Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_par
   QKV_RETURN_IF_ERROR(FlushUpdates());
   for (int h = 0; h < g_.kv_heads; ++h)
     QKV_CUDA(cudaMemcpyAsync(slot_ptr(B.tail[h]), slot_ptr(A.tail[h]), 2 * piece(), cudaMemcpyDeviceToDevice, stream_));
-  const std::size_t sb = g_.summary_elems() * sizeof(float);
+  const std::size_t sb = summary_bytes();
   QKV_CUDA(cudaMemcpyAsync(summaries_.as<char>() + std::size_t(dst) * sb, summaries_.as<char>() + std::size_t(src) * sb,
                            sb, cudaMemcpyDeviceToDevice, stream_));
   (void)len;  // the summary of the first len tokens is the source's: the tail holds exactly len
@@ -759,10 +769,13 @@ Status CudaBackendImpl::ReadTail(uint32_t part, PageId tail, void* dst) {
 Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst) {
   QKV_RETURN_IF_ERROR(FlushUpdates());
   const std::size_t elems = g_.summary_elems();
+  std::vector<char> raw(pages.size() * summary_bytes());
   for (std::size_t i = 0; i < pages.size(); ++i)
-    QKV_CUDA(cudaMemcpyAsync(dst + i * elems, summaries_.as<float>() + std::size_t(pages[i]) * elems,
-                             elems * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  return Sync();
+    QKV_CUDA(cudaMemcpyAsync(raw.data() + i * summary_bytes(), summaries_.as<char>() + std::size_t(pages[i]) * summary_bytes(),
+                             summary_bytes(), cudaMemcpyDeviceToHost, stream_));
+  QKV_RETURN_IF_ERROR(Sync());
+  ToFloats(raw.data(), g_.dtype, pages.size() * elems, dst);
+  return Status::Ok();
 }
 
 // ---- the decode step ---------------------------------------------------------------
@@ -887,7 +900,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   kc::SelectParams sp;
   sp.shape = shape;
   sp.q_dtype = dt;
-  sp.summary_dtype = kc::DType::kF32;
+  sp.summary_dtype = sum_dtype();
   sp.q = q;
   sp.summaries = summaries_.as();
   sp.page_indptr = d_hdr;

@@ -6,7 +6,8 @@
 //     per (sequence, layer) partition Hkv pinned tail slots and an LRU list of
 //     cached slots that the device resolve reorders; a few staging slots
 //     through which prefill chunks pass on their way to their host homes;
-//   * the summary slab (f32, always resident), the residency table
+//   * the summary slab (model dtype: exact for keys stored in it; always
+//     resident), the residency table
 //     hbm_slot[PageId][Hkv], the slot tables and host_addr[PageId] (device
 //     pointers to the pinned host homes, mirrored from TierMover's listener);
 //   * a device mirror of each partition's page list;

@@ -239,7 +239,7 @@ struct Runtime::Impl {
         const int64_t pages = int64_t(l->pages.size());
         stats->head_pages_total += pages * g.kv_heads;
         if (!dense && !config.policy.is_dense(layer) && pages_budget < pages)
-          stats->summary_bytes_read += pages * int64_t(g.summary_elems() * sizeof(float));
+          stats->summary_bytes_read += pages * int64_t(g.summary_elems() * DTypeBytes(g.dtype));
       }
       // Whole head-pages (a tail is counted whole): what the kernel reads.
       stats->kv_bytes_read += selected * int64_t(2 * g.head_page_elems() * DTypeBytes(g.dtype));
@@ -771,7 +771,8 @@ TierStats Runtime::tier_stats() const {
     const uint64_t ds = I.disk->slot_bytes();
     t.disk_capacity_bytes = d.slots_capacity * ds, t.disk_peak_bytes = d.slots_peak * ds, t.disk_used_bytes = d.slots_used * ds;
   }
-  t.summary_bytes = uint64_t(I.ids.live_count()) * I.g.summary_elems() * sizeof(float);
+  // Summaries are f32 on the CPU backend, in the model dtype on the CUDA backend.
+  t.summary_bytes = uint64_t(I.ids.live_count()) * I.g.summary_elems() * (I.cuda ? DTypeBytes(I.g.dtype) : sizeof(float));
   return t;
 }
 
