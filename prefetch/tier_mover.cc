@@ -160,13 +160,13 @@ Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64
   return Status::Ok();
 }
 
-Status TierMover::Prefetch(uint32_t page) {
+Status TierMover::Prefetch(uint32_t page, bool ahead) {
   const Home& h = homes_[page];
   if (!disk_ || h.host_valid || h.io != Io::kIdle || !disk_->Holds(page, h.generation)) return Status::Ok();
   if (host_->used() + 1 > high_water_ * host_->capacity()) return Status::Ok();  // no room to spare
   Status s = StartPromotion(page);
   if (s.code() == Code::kResourceExhausted) return Status::Ok();  // queue full: not needed now anyway
-  if (s.ok()) ++stats_.prefetches;
+  if (s.ok() && ahead) ++stats_.prefetches;
   return s;
 }
 

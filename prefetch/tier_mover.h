@@ -92,7 +92,9 @@ class TierMover {
   Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
   // A page predicted to be selected soon: if its home is disk and the host
   // has room below its high-water mark, start promoting it (never waits).
-  Status Prefetch(uint32_t page);
+  // `ahead` false: a page already missed (counted as a promotion only, not
+  // as a prefetch).
+  Status Prefetch(uint32_t page, bool ahead = true);
   // A page died: frees its host slot and disk copy (waiting for its I/O).
   void Drop(uint32_t page);
   // Reaps finished I/O and starts demotions past the high-water mark.

@@ -685,8 +685,10 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   }
   QKV_RETURN_IF_ERROR(FlushUpdates());
   QKV_RETURN_IF_ERROR(ExtendList(part, resident));
-  QKV_RETURN_IF_ERROR(Sync());  // the homes hold their bytes now
-  for (const Sealing& s : sealing) mover_->SealEnd(s.page);
+  if (!sealing.empty()) {
+    QKV_RETURN_IF_ERROR(Sync());  // the homes hold their bytes now
+    for (const Sealing& s : sealing) mover_->SealEnd(s.page);
+  }  // else nothing the host reads changed: the next call on the stream sees the tokens
   list.pages.insert(list.pages.end(), fresh.begin(), fresh.end());
   list.tokens = end;
   return Status::Ok();
@@ -961,6 +963,8 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       QKV_RETURN_IF_ERROR(read_cold());
       if (cold.empty()) break;
       if (round > 64) return Status::Internal("cold misses do not settle");
+      // Every read in flight before waiting for any.
+      for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
       for (const kc::ResolveRequest& r : cold)
         QKV_RETURN_IF_ERROR(mover_->EnsureHost(r.page, ids_->generation(r.page), s.step));
       QKV_RETURN_IF_ERROR(FlushUpdates());
@@ -1060,7 +1064,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // Deadline: the pages attended without start their promotion now.
   if (!strict && mover_->has_disk() && qcounts[0] > 0) {
     QKV_RETURN_IF_ERROR(read_cold());
-    for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page));
+    for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
   }
   clock.Mark(3);  // reading back selections, timings, host queues
   return Status::Ok();
