@@ -8,7 +8,8 @@
 #   l3-2g    the same with a 2 GiB HBM K/V budget
 #   l3g-all, l3g-2g   the gaussian workload (no locality: the worst case)
 #   l2-8g    Llama-2-7B, 128K (64 GiB of K/V), 8 GiB of HBM
-#   sweep    Llama-3-8B at 2K..512K, every page in HBM and a budget of 1/8 of the K/V
+#   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
+#            HBM budget of 1/8 of the K/V; plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            64 GiB pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
 set -u -o pipefail
@@ -43,7 +44,7 @@ for run in $RUNS; do
     l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;
     l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
     sweep)
-      for ctx in 2048 8192 32768 131072 524288; do
+      for ctx in ${SWEEP:-2048 8192 32768 131072}; do
         kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16
         one sweep-$ctx-all --preset llama3-8b --context $ctx --steps 16 --recall-every 0
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
