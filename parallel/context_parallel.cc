@@ -1,9 +1,6 @@
 #include "parallel/context_parallel.h"
 
-#include <algorithm>
 #include <string>
-
-#include "kernels/attention_state.h"
 
 namespace questkv {
 
@@ -41,35 +38,32 @@ Status ContextParallel::Validate(const Communicator& comm, const ContextShard& i
 
 Status ContextParallel::DecodeValid(Communicator& comm, const ContextShard& in, ParallelDecodeOutput* out) {
   const int n = in.num_pages;
-  const int64_t budget = p_.page_budget(in.layer, g_.page_size);
-  const bool dense = p_.is_dense(in.layer) || budget >= n;
-  // Sink and local window as Selector::MarkSinkAndLocal takes them (the
-  // window keeps at least the tail); a dense step is a window of every page.
-  const int sink = dense ? 0 : std::min(p_.sink_pages, n);
-  const int local = dense ? n : std::min(std::max(p_.local_pages, 1), n);
-  const int k = dense ? 0 : int(std::max<int64_t>(0, budget - std::min(n, sink + local)));
-  const int rows = p_.gqa == GqaMode::kUnion ? g_.q_heads : g_.kv_heads;
-  std::vector<std::vector<int32_t>> winners(rows);
-  if (k > 0) {
+  const ContextStepPlan plan = PlanContextStep(g_, p_, in.layer, n);
+  std::vector<std::vector<int32_t>> winners(plan.rows);
+  if (plan.k > 0) {
     skip_.resize(owned_.size());
-    for (std::size_t i = 0; i < owned_.size(); ++i) skip_[i] = owned_[i] < sink || owned_[i] >= n - local;
+    for (std::size_t i = 0; i < owned_.size(); ++i) skip_[i] = plan.fixed(owned_[i], n);
     ScoreOwned(in);
-    OwnCandidates(k);
-    QKV_RETURN_IF_ERROR(exchange_.Gather(comm, Header(in, kTagCandidates, k), sent_.data(),
-                                         sent_.size() * sizeof(Candidate)));
+    OwnCandidates(plan);
+    QKV_RETURN_IF_ERROR(exchange_.Gather(comm, Header(in, kTagCandidates, plan.k), sent_.data(),
+                                         sent_.size() * sizeof(PageCandidate)));
     gathered_.resize(sent_.size() * comm.size());
     for (int r = 0; r < comm.size(); ++r) exchange_.CopyPayload(r, gathered_.data() + r * sent_.size());
-    GlobalTopK(comm.size(), k, &winners);
+    for (int row = 0; row < plan.rows; ++row)
+      merge_.GlobalRow(gathered_.data() + std::size_t(row) * plan.k, sent_.size(), comm.size(), plan.k,
+                       &winners[row]);
   }
   out->first_kv_head = 0;
-  EmitSelection(n, sink, local, winners, &out->selection);
+  EmitContextSelection(g_, plan, n, winners, &out->selection);
   AttendOwned(in, comm.rank(), comm.size(), out->selection);
   const std::size_t state_floats = std::size_t(g_.q_heads) * (g_.head_dim + 2);
-  QKV_RETURN_IF_ERROR(exchange_.Gather(comm, Header(in, kTagStates, dense ? -1 : k), mine_.data(),
+  QKV_RETURN_IF_ERROR(exchange_.Gather(comm, Header(in, kTagStates, plan.dense ? -1 : plan.k), mine_.data(),
                                        state_floats * sizeof(float)));
   states_.resize(state_floats * comm.size());
   for (int r = 0; r < comm.size(); ++r) exchange_.CopyPayload(r, states_.data() + r * state_floats);
-  MergeStates(comm.size(), out);
+  out->o.resize(std::size_t(g_.q_heads) * g_.head_dim);
+  out->lse.resize(g_.q_heads);
+  MergeRankStates(states_.data(), state_floats, comm.size(), g_.q_heads, g_.head_dim, out->o.data(), out->lse.data());
   return Status::Ok();
 }
 
@@ -100,64 +94,13 @@ const float* ContextParallel::RowScores(int row) {
 }
 
 // sent_ [rows][k] := each row's k best owned pages outside sink and local
-// window, padded with page -1. The owned pages are in ascending global
-// order, so TopKCpu's ties toward the lower index are ties toward the lower
-// global page: the global top-k is always among the ranks' candidates.
-void ContextParallel::OwnCandidates(int k) {
-  const int n = int(owned_.size());
-  const int rows = p_.gqa == GqaMode::kUnion ? g_.q_heads : g_.kv_heads;
-  sent_.assign(std::size_t(rows) * k, Candidate{kernels::kNegInf, -1});
-  chosen_.resize(n);
-  scratch_.resize(n);
-  for (int row = 0; row < rows; ++row) {
-    const float* s = RowScores(row);
-    const int got = kernels::TopKCpu(s, n, skip_.data(), k, chosen_.data(), scratch_.data());
-    for (int i = 0; i < got; ++i) sent_[std::size_t(row) * k + i] = {s[chosen_[i]], owned_[chosen_[i]]};
-  }
-}
-
-// winners[row] := the k best of every rank's candidates for the row, by the
-// TopKCpu order over the candidates sorted by global page. Every rank runs
-// this on the same gathered bytes, so every rank gets the same winners.
-void ContextParallel::GlobalTopK(int ranks, int k, std::vector<std::vector<int32_t>>* winners) {
-  const std::size_t rows = winners->size();
-  for (std::size_t row = 0; row < rows; ++row) {
-    pool_.clear();
-    for (int r = 0; r < ranks; ++r)
-      for (int j = 0; j < k; ++j) {
-        const Candidate& c = gathered_[(r * rows + row) * k + j];
-        if (c.page >= 0) pool_.push_back(c);
-      }
-    std::sort(pool_.begin(), pool_.end(), [](const Candidate& a, const Candidate& b) { return a.page < b.page; });
-    const int m = int(pool_.size());
-    pool_scores_.resize(m);
-    for (int i = 0; i < m; ++i) pool_scores_[i] = pool_[i].score;
-    chosen_.resize(m);
-    scratch_.resize(m);
-    const int got = kernels::TopKCpu(pool_scores_.data(), m, nullptr, k, chosen_.data(), scratch_.data());
-    (*winners)[row].clear();
-    for (int i = 0; i < got; ++i) (*winners)[row].push_back(pool_[chosen_[i]].page);
-  }
-}
-
-// Per KV head, ascending: sink pages ∪ local window ∪ the winners of its rows.
-void ContextParallel::EmitSelection(int n, int sink, int local, const std::vector<std::vector<int32_t>>& winners,
-                                    PageSelection* out) const {
-  const int rows_per_head = p_.gqa == GqaMode::kUnion ? g_.group() : 1;
-  out->indptr.assign(1, 0);
-  out->pages.clear();
-  std::vector<int32_t> row;
-  for (int h = 0; h < g_.kv_heads; ++h) {
-    row.clear();
-    for (int i = 0; i < sink; ++i) row.push_back(i);
-    for (int i = n - local; i < n; ++i) row.push_back(i);
-    for (int r = h * rows_per_head; r < (h + 1) * rows_per_head; ++r)
-      row.insert(row.end(), winners[r].begin(), winners[r].end());
-    std::sort(row.begin(), row.end());
-    row.erase(std::unique(row.begin(), row.end()), row.end());
-    out->pages.insert(out->pages.end(), row.begin(), row.end());
-    out->indptr.push_back(int32_t(out->pages.size()));
-  }
+// window, padded with page -1. The owned pages ascend in global order, so
+// the global top-k is always among the ranks' candidates.
+void ContextParallel::OwnCandidates(const ContextStepPlan& plan) {
+  sent_.resize(std::size_t(plan.rows) * plan.k);
+  for (int row = 0; row < plan.rows; ++row)
+    merge_.OwnCandidates(RowScores(row), int(owned_.size()), skip_.data(), owned_.data(), plan.k,
+                         sent_.data() + std::size_t(row) * plan.k);
 }
 
 // mine_ ([o: Hq][D] [m: Hq] [d: Hq]) := the partial state
@@ -178,24 +121,6 @@ void ContextParallel::AttendOwned(const ContextShard& in, int rank, int ranks, c
     }
     const std::size_t q0 = std::size_t(h) * group;
     AttendHeldPages(held, h, own_idx_, in.q + q0 * dim, group, in.scale, &refs_, o + q0 * dim, m + q0, d + q0);
-  }
-}
-
-// out->o, out->lse := the ranks' partial states merged in rank order.
-void ContextParallel::MergeStates(int ranks, ParallelDecodeOutput* out) const {
-  const int hq = g_.q_heads, dim = g_.head_dim;
-  const std::size_t stride = std::size_t(hq) * (dim + 2);
-  out->o.assign(std::size_t(hq) * dim, 0.f);
-  out->lse.resize(hq);
-  for (int h = 0; h < hq; ++h) {
-    float m = kernels::kNegInf, d = 0.f;
-    for (int r = 0; r < ranks; ++r) {
-      const float* base = states_.data() + r * stride;
-      const float* rm = base + std::size_t(hq) * dim;
-      kernels::MergeState(out->o.data() + std::size_t(h) * dim, m, d, base + std::size_t(h) * dim, rm[h], rm[hq + h],
-                          dim);
-    }
-    out->lse[h] = kernels::StateLse(m, d);
   }
 }
 

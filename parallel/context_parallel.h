@@ -28,6 +28,7 @@
 #include "kernels/cpu/kernels_cpu.h"
 #include "parallel/communicator.h"
 #include "parallel/decode_common.h"
+#include "parallel/global_topk.h"
 #include "parallel/shard.h"
 #include "runtime/config.h"
 #include "runtime/status.h"
@@ -61,22 +62,13 @@ class ContextParallel {
   Status Decode(Communicator& comm, const ContextShard& in, ParallelDecodeOutput* out);
 
  private:
-  struct Candidate {
-    float score;
-    int32_t page;  // global logical page; -1 pads a row
-  };
-
   Status Validate(const Communicator& comm, const ContextShard& in, const ParallelDecodeOutput* out);
   Status DecodeValid(Communicator& comm, const ContextShard& in, ParallelDecodeOutput* out);
   StepHeader Header(const ContextShard& in, int tag, int top_k) const;
   void ScoreOwned(const ContextShard& in);
   const float* RowScores(int row);
-  void OwnCandidates(int k);
-  void GlobalTopK(int ranks, int k, std::vector<std::vector<int32_t>>* winners);
-  void EmitSelection(int n, int sink, int local, const std::vector<std::vector<int32_t>>& winners,
-                     PageSelection* out) const;
+  void OwnCandidates(const ContextStepPlan& plan);
   void AttendOwned(const ContextShard& in, int rank, int ranks, const PageSelection& sel);
-  void MergeStates(int ranks, ParallelDecodeOutput* out) const;
 
   Geometry g_;
   SelectionPolicy p_;
@@ -86,11 +78,9 @@ class ContextParallel {
   std::vector<uint8_t> skip_;           // [num_local] sink or local window
   std::vector<float> scores_;           // [Hq][num_local]
   std::vector<float> agg_;              // [num_local]
-  std::vector<int> chosen_, scratch_;   // TopKCpu buffers
-  std::vector<Candidate> sent_;         // [rows][K]
-  std::vector<Candidate> gathered_;     // [R][rows][K]
-  std::vector<Candidate> pool_;         // one row's candidates from every rank
-  std::vector<float> pool_scores_;
+  TopKMerge merge_;
+  std::vector<PageCandidate> sent_;      // [rows][K]
+  std::vector<PageCandidate> gathered_;  // [R][rows][K]
   std::vector<int32_t> own_idx_;
   std::vector<kernels::HeadPageRef> refs_;
   std::vector<float> mine_;             // [o: Hq][D] [m: Hq] [d: Hq] this rank's partial states
