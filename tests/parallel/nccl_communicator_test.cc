@@ -15,35 +15,14 @@
 #include <vector>
 
 #include "parallel/context_parallel.h"
+#include "tests/parallel/nccl_test_util.h"
 #include "tests/parallel/parallel_test_util.h"
 
 namespace questkv {
 namespace {
 
-int DeviceCount() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
-  return n;
-}
-
-// Runs body(comm) on one thread per GPU (rank r on device r) and returns the
-// ranks' statuses.
-std::vector<Status> RunOnGpus(int ranks, const std::function<Status(NcclCommunicator&)>& body,
-                              std::size_t staging_bytes = std::size_t(8) << 20) {
-  const NcclId id = NcclCommunicator::NewId().value();
-  std::vector<Status> statuses(ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      NcclOptions options;
-      options.device = r;
-      options.staging_bytes = staging_bytes;
-      auto comm = NcclCommunicator::Create(id, r, ranks, options);
-      statuses[r] = comm.ok() ? body(**comm) : comm.status();
-    });
-  for (auto& t : threads) t.join();
-  return statuses;
-}
+using test::DeviceCount;
+using test::RunOnGpus;
 
 class NcclTest : public ::testing::Test {
  protected:

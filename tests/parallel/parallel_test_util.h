@@ -89,8 +89,10 @@ struct Reference {
 };
 
 // The single-rank run: Selector over all pages, then AttendPagesCpu over each
-// KV head's selected pages in ascending order.
-inline Reference SingleRank(const Sequence& s, const SelectionPolicy& p, int layer) {
+// KV head's selected pages in ascending order, with the queries attend_q
+// ([Hq][D]; null: s.q, the ones the Selector ranks with).
+inline Reference SingleRank(const Sequence& s, const SelectionPolicy& p, int layer,
+                            const float* attend_q = nullptr) {
   const Geometry& g = s.g;
   Reference ref;
   Selector selector(g, p);
@@ -109,8 +111,9 @@ inline Reference SingleRank(const Sequence& s, const SelectionPolicy& p, int lay
       refs.push_back({base + h * head_page, base + (g.kv_heads + h) * head_page,
                       page == s.num_pages - 1 ? s.tail_len : g.page_size});
     }
-    kernels::AttendPagesCpu(s.q.data() + std::size_t(h) * group * dim, group, dim, refs.data(), int(refs.size()),
-                            Scale(g), ref.o.data() + std::size_t(h) * group * dim, m.data(), d.data());
+    const float* q = (attend_q ? attend_q : s.q.data()) + std::size_t(h) * group * dim;
+    kernels::AttendPagesCpu(q, group, dim, refs.data(), int(refs.size()), Scale(g),
+                            ref.o.data() + std::size_t(h) * group * dim, m.data(), d.data());
     for (int gi = 0; gi < group; ++gi) ref.lse[h * group + gi] = kernels::StateLse(m[gi], d[gi]);
   }
   return ref;
