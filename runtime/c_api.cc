@@ -48,6 +48,8 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.disk_dir = c.disk_dir ? c.disk_dir : "";
   cfg.disk_bytes = c.disk_bytes;
   cfg.cold_miss = static_cast<questkv::ColdMissPolicy>(c.cold_miss);
+  cfg.backend = static_cast<questkv::Backend>(c.backend);
+  cfg.geometry.dtype = static_cast<questkv::DType>(c.dtype);
   return cfg;
 }
 
@@ -55,6 +57,8 @@ questkv::Status CheckEnums(const qkv_config& c) {
   if (c.gqa < QKV_GQA_MAX || c.gqa > QKV_GQA_UNION) return questkv::Status::InvalidArgument("unknown gqa mode");
   if (c.cold_miss < QKV_COLD_MISS_STRICT || c.cold_miss > QKV_COLD_MISS_DEADLINE)
     return questkv::Status::InvalidArgument("unknown cold-miss policy");
+  if (c.backend < QKV_BACKEND_CPU || c.backend > QKV_BACKEND_CUDA) return questkv::Status::InvalidArgument("unknown backend");
+  if (c.dtype < QKV_DTYPE_F32 || c.dtype > QKV_DTYPE_BF16) return questkv::Status::InvalidArgument("unknown dtype");
   if (c.num_dense_layers < 0 || (c.num_dense_layers > 0 && !c.dense_layers))
     return questkv::Status::InvalidArgument("dense_layers is null or num_dense_layers negative");
   return questkv::Status::Ok();
@@ -77,6 +81,8 @@ void qkv_config_default(qkv_config* c) {
   c->num_dense_layers = 2;
   c->max_pages = d.max_pages;
   c->cold_miss = QKV_COLD_MISS_STRICT;
+  c->backend = QKV_BACKEND_CPU;
+  c->dtype = QKV_DTYPE_F32;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {
@@ -136,6 +142,16 @@ qkv_status qkv_decode_attention(qkv_runtime* h, const uint64_t* seqs, int batch,
   if (!h) return kNullHandle;
   if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
   return Report(h, h->rt->DecodeAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
+}
+qkv_status qkv_append_device(qkv_runtime* h, uint64_t seq, int layer, const void* k, const void* v, int64_t n) {
+  if (!h) return kNullHandle;
+  return Report(h, h->rt->AppendDevice(seq, layer, k, v, n));
+}
+qkv_status qkv_decode_attention_device(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const void* q,
+                                       void* out) {
+  if (!h) return kNullHandle;
+  if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
+  return Report(h, h->rt->DecodeAttentionDevice(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
 }
 qkv_status qkv_dense_attention(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const float* q,
                                float* out) {

@@ -34,6 +34,9 @@ typedef enum {
 
 typedef enum { QKV_GQA_MAX = 0, QKV_GQA_MEAN = 1, QKV_GQA_UNION = 2 } qkv_gqa_mode;
 typedef enum { QKV_COLD_MISS_STRICT = 0, QKV_COLD_MISS_DEADLINE = 1 } qkv_cold_miss;
+typedef enum { QKV_BACKEND_CPU = 0, QKV_BACKEND_CUDA = 1 } qkv_backend;
+/* The model dtype of K/V (and of the device pointers of the *_device calls). */
+typedef enum { QKV_DTYPE_F32 = 0, QKV_DTYPE_F16 = 1, QKV_DTYPE_BF16 = 2 } qkv_dtype;
 
 typedef struct {
   /* geometry */
@@ -50,6 +53,9 @@ typedef struct {
   const char* disk_dir;
   uint64_t disk_bytes;
   qkv_cold_miss cold_miss;
+  /* where the data plane runs; the CPU backend needs QKV_DTYPE_F32 */
+  qkv_backend backend;
+  qkv_dtype dtype;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;
@@ -77,6 +83,11 @@ qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, 
 /* Sparse (Quest) decode attention for a batch of sequences at one layer. */
 qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out);
+/* CUDA backend only: the same on device pointers in the config's dtype
+   (k, v [n][Hkv][D]; q, out [batch][Hq][D]); they return with the work done. */
+qkv_status qkv_append_device(qkv_runtime* rt, uint64_t seq, int layer, const void* k, const void* v, int64_t n);
+qkv_status qkv_decode_attention_device(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const void* q,
+                                       void* out);
 /* Dense attention over every token (reference). */
 qkv_status qkv_dense_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                float* out);

@@ -50,7 +50,16 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_EQ(qkv_create(nullptr, &rt), QKV_INVALID_ARGUMENT);
   qkv_config_default(&cfg);
+  cfg.backend = static_cast<qkv_backend>(5);
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  qkv_config_default(&cfg);
+  cfg.dtype = QKV_DTYPE_F16;  // the CPU backend stores f32
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_UNIMPLEMENTED);
+  qkv_config_default(&cfg);
   ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();
+  uint64_t one = 0;
+  EXPECT_EQ(qkv_sequence_create(rt, &one), QKV_OK);
+  EXPECT_EQ(qkv_append_device(rt, one, 0, nullptr, nullptr, 1), QKV_FAILED_PRECONDITION);  // CPU backend
   uint64_t seq = 0;
   EXPECT_EQ(qkv_sequence_create(rt, nullptr), QKV_INVALID_ARGUMENT);
   ASSERT_EQ(qkv_sequence_create(rt, &seq), QKV_OK);
