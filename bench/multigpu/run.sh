@@ -43,7 +43,8 @@ if [ "${TESTS:-1}" != 0 ]; then
   for t in questkv_parallel_cuda_test questkv_parallel_test; do
     echo "== $t"
     timeout 400 "$WORK/$t" --gtest_output="json:$OUT/$t.json" >"$OUT/$t.log" 2>&1 || status=1
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/$t.log" | head -20
+    # The totals, the failed tests' names, and why tests skipped.
+    grep -E "^\[  (PASSED|SKIPPED|FAILED) +\] [0-9]+ test|^\[  FAILED  \] .*[^)]$" "$OUT/$t.log" | head -20
     grep -A1 "Skipped$" "$OUT/$t.log" | grep -v "Skipped$\|^--" | sort | uniq -c | head -5
   done
 fi
