@@ -115,6 +115,10 @@ struct Config {
   // Per (sequence, layer, KV head) and step, the best-ranked pages just
   // outside the selection are promoted from disk ahead of need.
   int prefetch_pages = 4;
+  // CUDA backend: a decode step whose shape repeats is replayed from a
+  // captured CUDA graph (one launch) instead of ~20 launches; steps that
+  // wait for the host (cold misses under strict) always launch directly.
+  bool cuda_graphs = true;
 
   Status Validate() const;
 };

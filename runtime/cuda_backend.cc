@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <unordered_map>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -44,6 +46,10 @@ Status CudaStatus(const char* what, cudaError_t e) {
     if (qkv_e_ != cudaSuccess) return CudaStatus(#expr, qkv_e_);    \
   } while (0)
 
+// Bumped by every device or pinned allocation of this backend: a captured
+// step graph bakes pointers in, so a new allocation retires the graphs.
+uint64_t g_alloc_epoch = 0;
+
 // A device allocation that only grows. Growing frees the old block: callers
 // grow only what no queued work still reads, or synchronise first.
 class DevBuf {
@@ -66,6 +72,7 @@ class DevBuf {
     n_ = 0;
     QKV_CUDA(cudaMalloc(&p_, bytes));
     n_ = bytes;
+    ++g_alloc_epoch;
     return Status::Ok();
   }
   template <typename T = void>
@@ -106,12 +113,15 @@ class CudaBackendImpl final : public CudaBackend {
   ~CudaBackendImpl() override {
     if (std::getenv("QUESTKV_PROFILE") && prof_.calls)
       std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): plan+upload %.1f, launch %.1f, "
-                           "device wait %.1f, readback %.1f\n", (long long)prof_.calls, prof_.us[0] / prof_.calls,
-                   prof_.us[1] / prof_.calls, prof_.us[2] / prof_.calls, prof_.us[3] / prof_.calls);
+                           "device wait %.1f, readback %.1f; %lld step graphs captured\n", (long long)prof_.calls,
+                   prof_.us[0] / prof_.calls, prof_.us[1] / prof_.calls, prof_.us[2] / prof_.calls,
+                   prof_.us[3] / prof_.calls, (long long)graphs_captured_);
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
     if (stage_) cudaFreeHost(stage_);
+    ClearGraphs();
+    if (io_) cudaFreeHost(io_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -230,6 +240,51 @@ class CudaBackendImpl final : public CudaBackend {
   char* stage_dev_ = nullptr;
   std::size_t stage_cap_ = 0, stage_used_ = 0;
 
+  // Offsets in io_ of one step's pinned inputs and outputs.
+  struct IoLayout {
+    std::size_t hdr = 0, q = 0, out = 0, counts = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+  };
+  Status ReserveIo(std::size_t bytes) {
+    if (bytes <= io_cap_) return Status::Ok();
+    QKV_RETURN_IF_ERROR(Sync());
+    if (io_) cudaFreeHost(io_);
+    io_ = nullptr;
+    io_cap_ = std::max(bytes, 2 * io_cap_);
+    QKV_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&io_), io_cap_, cudaHostAllocPortable));
+    ++g_alloc_epoch;
+    return Status::Ok();
+  }
+  // The instantiated graph of a step shape, captured by `enqueue` on first use.
+  Result<cudaGraphExec_t> GraphFor(const std::vector<int64_t>& key, const std::function<Status()>& enqueue) {
+    if (graphs_epoch_ != g_alloc_epoch || graphs_.size() > 512) {
+      ClearGraphs();
+      graphs_epoch_ = g_alloc_epoch;
+    }
+    if (auto it = graphs_.find(key); it != graphs_.end()) return it->second;
+    cudaGraph_t graph = nullptr;
+    QKV_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    const Status st = enqueue();
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    QKV_RETURN_IF_ERROR(st);
+    QKV_CUDA(end);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    QKV_CUDA(inst);
+    ++graphs_captured_;
+    graphs_[key] = exec;
+    return exec;
+  }
+  void ClearGraphs() {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+  }
+
+  char* io_ = nullptr;       // pinned
+  std::size_t io_cap_ = 0;
+  std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
+  uint64_t graphs_epoch_ = 0;
+  int64_t graphs_captured_ = 0;
   std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
   std::vector<kc::TableUpdate> clears_, sets_;
   std::unordered_map<const void*, std::size_t> set_index_;
@@ -861,7 +916,8 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     att_ws_zeroed_ = att_ws_.bytes();
   }
 
-  // Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] | last_len [B] | part_lists [B].
+  // Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] |
+  // last_len [B] | part_lists [B] (pointers) | step (int64).
   std::vector<int32_t> hdr;
   hdr.insert(hdr.end(), page_indptr.begin(), page_indptr.end());
   const std::size_t o_sel = hdr.size();
@@ -872,51 +928,51 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   hdr.insert(hdr.end(), last_len.begin(), last_len.end());
   if (hdr.size() % 2) hdr.push_back(0);
   const std::size_t o_lists = hdr.size();
-  hdr.resize(hdr.size() + 2 * B);
+  hdr.resize(hdr.size() + 2 * B + 2);
   for (int b = 0; b < B; ++b) {
     int32_t* list = parts_[s.partitions[b]].list.as<int32_t>();
     std::memcpy(hdr.data() + o_lists + 2 * b, &list, sizeof(list));
   }
+  const std::size_t o_step = o_lists + 2 * B;
+  std::memcpy(hdr.data() + o_step, &s.step, sizeof(int64_t));
   QKV_RETURN_IF_ERROR(header_.Reserve(hdr.size() * 4));
-  QKV_RETURN_IF_ERROR(Upload(header_.as(), hdr.data(), hdr.size() * 4));
   const int32_t* d_hdr = header_.as<int32_t>();
 
+  // Pinned input/output of the step at fixed addresses (a captured graph
+  // copies from and to them): the header, f32 q and out, the host-queue
+  // counts and the selection.
+  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
+  const bool want_sel = s.selections || mover_->has_disk();
+  IoLayout io;
+  io.hdr = 0;
+  io.q = Align256(hdr.size() * 4);
+  io.out = io.q + Align256(s.host_f32 ? qelems * 4 : 0);
+  io.counts = io.out + Align256(s.host_f32 ? qelems * 4 : 0);
+  io.sel_pages = io.counts + 256;
+  io.sel_count = io.sel_pages + Align256(want_sel ? entries * 4 : 0);
+  io.bytes = io.sel_count + Align256(want_sel ? rows * 4 : 0);
+  QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
+  std::memcpy(io_ + io.hdr, hdr.data(), hdr.size() * 4);
+  if (s.host_f32) std::memcpy(io_ + io.q, s.q, qelems * 4);
+
   // Page ids: one sequence reads its mirror in place; a batch is copied together.
-  const uint32_t* page_ids;
-  if (B == 1) {
-    page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
-  } else {
+  const uint32_t* page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
+  if (B > 1) {
     QKV_RETURN_IF_ERROR(batch_pages_.Reserve(std::size_t(page_indptr[B]) * 4));
-    for (int b = 0; b < B; ++b)
-      QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + page_indptr[b], parts_[s.partitions[b]].pages.as(),
-                               std::size_t(counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
     page_ids = batch_pages_.as<uint32_t>();
   }
-  const void* q = s.q;
-  if (s.host_f32) QKV_RETURN_IF_ERROR(ConvertIn(s.q, qelems, q_f32_, q_, &q));
+  if (s.host_f32) {
+    QKV_RETURN_IF_ERROR(q_f32_.Reserve(qelems * 4));
+    if (g_.dtype != DType::kF32) QKV_RETURN_IF_ERROR(o_f32_.Reserve(qelems * 4));
+  }
   QKV_RETURN_IF_ERROR(FlushUpdates());
-
-  // select -> resolve -> attend, one stream.
   clock.Mark(0);  // planning, growth, uploads
-  QKV_CUDA(cudaEventRecord(ev_[0], stream_));
-  kc::SelectParams sp;
-  sp.shape = shape;
-  sp.q_dtype = dt;
-  sp.summary_dtype = sum_dtype();
-  sp.q = q;
-  sp.summaries = summaries_.as();
-  sp.page_indptr = d_hdr;
-  sp.page_ids = page_ids;
-  sp.out_indptr = d_hdr + o_sel;
-  sp.out_pages = sel_pages_.as<int32_t>();
-  sp.out_count = sel_count_.as<int32_t>();
-  sp.workspace = sel_ws_.as();
-  QKV_CUDA(kc::LaunchSelect(splan, sp, stream_));
-  QKV_CUDA(cudaEventRecord(ev_[1], stream_));
 
+  const void* q = s.host_f32 ? (g_.dtype == DType::kF32 ? q_f32_.as() : q_.as()) : s.q;
   char* qb = queues_.as<char>();
   kc::ResolveParams rp;
   rp.step = s.step;
+  rp.step_ptr = reinterpret_cast<const int64_t*>(d_hdr + o_step);
   rp.page_indptr = d_hdr;
   rp.page_ids = page_ids;
   rp.sel_indptr = d_hdr + o_sel;
@@ -940,9 +996,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   rp.queue_capacity = qcap;
   rp.counters = counters_.as<kc::ResolveCounters>();
   rp.workspace = res_ws_.as();
-  QKV_CUDA(kc::LaunchResolve(rplan, rp, stream_));
 
-  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
   std::vector<kc::ResolveRequest> cold;
   auto read_cold = [&]() -> Status {
     int32_t n = 0;
@@ -956,12 +1010,12 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     }
     return Status::Ok();
   };
-  if (strict && mover_->has_disk()) {
-    // Cold misses: promote, publish, resolve again (hits stay hits). The
-    // re-runs count on scratch counters; only their traffic is kept.
+  // Cold misses under strict: promote, publish, resolve again (hits stay
+  // hits). The re-runs count on scratch counters; only their traffic is kept.
+  auto settle_cold = [&]() -> Status {
     for (int round = 0;; ++round) {
       QKV_RETURN_IF_ERROR(read_cold());
-      if (cold.empty()) break;
+      if (cold.empty()) return Status::Ok();
       if (round > 64) return Status::Internal("cold misses do not settle");
       // Every read in flight before waiting for any.
       for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
@@ -978,50 +1032,95 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       extra_bytes_ += int64_t(sc.bytes_host_to_hbm);
       extra_evictions_ += int64_t(sc.evictions);
     }
-  }
-  QKV_CUDA(cudaEventRecord(ev_[2], stream_));
+  };
+  const bool cold_waits = strict && mover_->has_disk();
 
-  void* o = s.host_f32 ? o_.as() : s.out;
-  kc::AttendParams ap;
-  ap.scale = 1.f / std::sqrt(float(D));
-  ap.q = q;
-  ap.slots = pool_.as();
-  ap.indptr = d_hdr + o_sel;
-  ap.count = res_count_.as<int32_t>();
-  ap.slot_ids = res_slots_.as<int32_t>();
-  ap.last_len = d_hdr + o_last;
-  ap.o = o;
-  ap.workspace = att_ws_.as();
-  QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
-  QKV_CUDA(cudaEventRecord(ev_[3], stream_));
-
-  float* out_stage = nullptr;
-  if (s.host_f32) {
-    const void* of = o_.as();
-    if (g_.dtype != DType::kF32) {
-      QKV_RETURN_IF_ERROR(o_f32_.Reserve(qelems * 4));
-      QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));
-      of = o_f32_.as();
+  // The whole step on the stream: inputs in, select -> resolve -> attend,
+  // outputs out. Captured once per shape and replayed when graphs are on and
+  // nothing in it waits for the host.
+  auto enqueue = [&](bool capturing) -> Status {
+    QKV_CUDA(cudaMemcpyAsync(header_.as(), io_ + io.hdr, hdr.size() * 4, cudaMemcpyHostToDevice, stream_));
+    if (B > 1)
+      for (int b = 0; b < B; ++b)
+        QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + page_indptr[b], parts_[s.partitions[b]].pages.as(),
+                                 std::size_t(counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
+    if (s.host_f32) {
+      QKV_CUDA(cudaMemcpyAsync(q_f32_.as(), io_ + io.q, qelems * 4, cudaMemcpyHostToDevice, stream_));
+      if (g_.dtype != DType::kF32)
+        QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), dt, qelems, stream_));
     }
-    out_stage = static_cast<float*>(StageAlloc(qelems * 4));
-    if (!out_stage) return Status::ResourceExhausted("pinned staging for the output");
-    QKV_CUDA(cudaMemcpyAsync(out_stage, of, qelems * 4, cudaMemcpyDeviceToHost, stream_));
-  }
-  int32_t qcounts[2] = {0, 0};
-  QKV_CUDA(cudaMemcpyAsync(qcounts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
-  // What the host wants to know of the selection.
-  const bool want_sel = s.selections || mover_->has_disk();
-  std::vector<int32_t> sel_pages, sel_count;
-  if (want_sel) {
-    sel_pages.resize(entries);
-    sel_count.resize(rows);
-    QKV_CUDA(cudaMemcpyAsync(sel_pages.data(), sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
-    QKV_CUDA(cudaMemcpyAsync(sel_count.data(), sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaEventRecord(ev_[0], stream_));
+    kc::SelectParams sp;
+    sp.shape = shape;
+    sp.q_dtype = dt;
+    sp.summary_dtype = sum_dtype();
+    sp.q = q;
+    sp.summaries = summaries_.as();
+    sp.page_indptr = d_hdr;
+    sp.page_ids = page_ids;
+    sp.out_indptr = d_hdr + o_sel;
+    sp.out_pages = sel_pages_.as<int32_t>();
+    sp.out_count = sel_count_.as<int32_t>();
+    sp.workspace = sel_ws_.as();
+    QKV_CUDA(kc::LaunchSelect(splan, sp, stream_));
+    QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+    QKV_CUDA(kc::LaunchResolve(rplan, rp, stream_));
+    if (!capturing && cold_waits) QKV_RETURN_IF_ERROR(settle_cold());
+    QKV_CUDA(cudaEventRecord(ev_[2], stream_));
+    kc::AttendParams ap;
+    ap.scale = 1.f / std::sqrt(float(D));
+    ap.q = q;
+    ap.slots = pool_.as();
+    ap.indptr = d_hdr + o_sel;
+    ap.count = res_count_.as<int32_t>();
+    ap.slot_ids = res_slots_.as<int32_t>();
+    ap.last_len = d_hdr + o_last;
+    ap.o = s.host_f32 ? o_.as() : s.out;
+    ap.workspace = att_ws_.as();
+    QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
+    QKV_CUDA(cudaEventRecord(ev_[3], stream_));
+    if (s.host_f32) {
+      const void* of = o_.as();
+      if (g_.dtype != DType::kF32) {
+        QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));
+        of = o_f32_.as();
+      }
+      QKV_CUDA(cudaMemcpyAsync(io_ + io.out, of, qelems * 4, cudaMemcpyDeviceToHost, stream_));
+    }
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+    if (want_sel) {
+      QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
+      QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
+    }
+    return Status::Ok();
+  };
+  if (c_.cuda_graphs && !cold_waits) {
+    // Everything a captured step bakes in: shapes, buffers, pointers.
+    std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32, want_sel, int64_t(hdr.size()),
+                                int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
+                                int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
+    for (int b = 0; b < B; ++b) {
+      key.push_back(s.partitions[b]);
+      key.push_back(counts[b]);
+      key.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
+      key.push_back(part_indptr[b + 1] - part_indptr[b]);
+    }
+    QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(key, [&] { return enqueue(true); }));
+    QKV_CUDA(cudaGraphLaunch(exec, stream_));
+  } else {
+    QKV_RETURN_IF_ERROR(enqueue(false));
   }
   clock.Mark(1);  // launches
   QKV_CUDA(cudaStreamSynchronize(stream_));
   clock.Mark(2);  // waiting for the device
-  if (out_stage) std::memcpy(s.out, out_stage, qelems * 4);
+  if (s.host_f32) std::memcpy(s.out, io_ + io.out, qelems * 4);
+  int32_t qcounts[2];
+  std::memcpy(qcounts, io_ + io.counts, sizeof(qcounts));
+  std::vector<int32_t> sel_pages, sel_count;
+  if (want_sel) {
+    sel_pages.assign(reinterpret_cast<int32_t*>(io_ + io.sel_pages), reinterpret_cast<int32_t*>(io_ + io.sel_pages) + entries);
+    sel_count.assign(reinterpret_cast<int32_t*>(io_ + io.sel_count), reinterpret_cast<int32_t*>(io_ + io.sel_count) + rows);
+  }
   QKV_RETURN_IF_ERROR(Sync());
   if (qcounts[1] != 0)
     return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");

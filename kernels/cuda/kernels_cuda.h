@@ -224,6 +224,7 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
 
 struct ResolveParams {
   int64_t step = 0;
+  const int64_t* step_ptr = nullptr;      // optional: the step read from device memory instead (graphs)
   const int32_t* page_indptr = nullptr;   // [batch + 1] page table CSR
   const uint32_t* page_ids = nullptr;     // [page_indptr[batch]]
   const int32_t* sel_indptr = nullptr;    // [rows + 1] selection rows (capacities), first 0

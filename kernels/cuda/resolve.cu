@@ -78,6 +78,10 @@ __device__ inline int UsedEntries(const ResolveParams& p, int row) {
   return p.sel_count ? min(p.sel_count[row], cap) : cap;
 }
 
+// The step from device memory when the caller keeps it there (a captured
+// graph replayed at later steps), else the value in the parameters.
+__device__ inline int64_t StepOf(const ResolveParams& p) { return p.step_ptr ? *p.step_ptr : p.step; }
+
 __global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count) {
   *cold_count = 0;
   *bypass_count = 0;
@@ -85,6 +89,7 @@ __global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t*
 }
 
 __global__ void __launch_bounds__(kRowWarps * 32) ClassifyKernel(ResolveParams p, Workspace w, Dims d) {
+  const int64_t step = StepOf(p);
   const int row = blockIdx.x * kRowWarps + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= d.batch * d.kv_heads) return;
@@ -105,7 +110,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) ClassifyKernel(ResolveParams p
     const int32_t s = *reinterpret_cast<volatile int32_t*>(cell);
     if (s >= 0) {
       w.state[e] = kHit;
-      p.slot_last_use[s] = p.step;
+      p.slot_last_use[s] = step;
     } else if (p.host_addr[page] == nullptr) {
       w.state[e] = kCold;
     } else {
@@ -116,6 +121,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) ClassifyKernel(ResolveParams p
 }
 
 __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, Workspace w, Dims d) {
+  const int64_t step = StepOf(p);
   using Scan = cub::BlockScan<int, kAssignThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int job_base;
@@ -154,7 +160,7 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
     if (i < l_end) {
       s = part[i];
       w.list[i] = s;
-      elig = !p.slot_pinned[s] && p.slot_last_use[s] != p.step;
+      elig = !p.slot_pinned[s] && p.slot_last_use[s] != step;
     }
     int rank, total;
     Scan(scan_tmp).ExclusiveSum(elig, rank, total);
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
       }
       p.slot_page[s] = page;
       p.slot_head[s] = h;
-      p.slot_last_use[s] = p.step;
+      p.slot_last_use[s] = step;
       p.hbm_slot[std::size_t(page) * H + h] = s;
       const char* home = static_cast<const char*>(p.host_addr[page]);
       w.jobs[job_base + rank] = GatherJob{home + std::size_t(h) * d.piece_bytes,
@@ -193,12 +199,12 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
   int unused_total = 0;
   for (int base = l_begin; base < l_end; base += kAssignThreads) {
     const int i = base + tid;
-    unused_total += __syncthreads_count(i < l_end && p.slot_last_use[w.list[i]] != p.step);
+    unused_total += __syncthreads_count(i < l_end && p.slot_last_use[w.list[i]] != step);
   }
   int unused_before = 0;
   for (int base = l_begin; base < l_end; base += kAssignThreads) {
     const int i = base + tid;
-    const int unused = i < l_end && p.slot_last_use[w.list[i]] != p.step;
+    const int unused = i < l_end && p.slot_last_use[w.list[i]] != step;
     int rank, total;
     Scan(scan_tmp).ExclusiveSum(unused, rank, total);
     if (i < l_end) {

@@ -12,6 +12,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: questkv run [flags]   (defaults in brackets)\n"
     "backend:   --backend cpu|cuda [cpu] --dtype f32|f16|bf16 [f32 on cpu, f16 on cuda]\n"
+    "           --no-cuda-graphs (launch every decode step directly instead of replaying graphs)\n"
     "geometry:  --layers 4 --q-heads 8 --kv-heads 2 --head-dim 64 --page-size 16\n"
     "           --preset llama2-7b (32 layers, 32 heads x 128) | llama3-8b (32 layers, 32 q / 8 KV heads x 128);\n"
     "           flags given beside a preset override it\n"
@@ -34,6 +35,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(o.config.backend, ParseBackend(backend));
   QKV_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype", o.config.backend == Backend::kCuda ? "f16" : "f32"));
   QKV_ASSIGN_OR_RETURN(g.dtype, ParseDType(dtype));
+  o.config.cuda_graphs = !f.has("no-cuda-graphs");
   SelectionPolicy& p = o.config.policy;
   QKV_ASSIGN_OR_RETURN(std::string preset, f.String("preset", ""));
   if (preset == "llama2-7b") {
@@ -113,7 +115,7 @@ int RunMain(int argc, char** argv) {
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "top-r", "metrics-port", "metrics-linger-ms"},
-              {"json", "no-progress", "help"});
+              {"json", "no-progress", "no-cuda-graphs", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);
     return 2;

@@ -244,7 +244,11 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
     p.queue_capacity = cap;
     p.counters = d_counters.as<ResolveCounters>();
     p.workspace = d_ws.get();
-    if (step == 3) {  // through a captured graph
+    DeviceBuffer d_step;
+    if (step == 3) {  // through a captured graph, the step read from device memory
+      Upload(d_step, std::vector<int64_t>{step});
+      p.step_ptr = d_step.as<int64_t>();
+      p.step = -999;  // must not be used
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       QKV_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

@@ -209,6 +209,27 @@ TEST(CudaTiers, MostlyOnHostIsBitIdenticalToAllInHbm) {
   EXPECT_EQ(s.host_to_hbm_bytes, (s.hbm_misses) * int64_t(slot));
 }
 
+// Decode steps replayed from captured CUDA graphs give the bits of direct
+// launches, over the scenario's shape changes (page counts, list growth,
+// batches of 5 and 2) and with misses (a small HBM).
+TEST(CudaGraphs, ReplayedStepsEqualDirectLaunches) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config graphs = MakeConfig(Backend::kCuda, c);
+  graphs.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
+  Config direct = graphs;
+  direct.cuda_graphs = false;
+  QKV_CREATE_CUDA(a, direct);
+  QKV_CREATE_CUDA(b, graphs);
+  Twins tw({a.get(), b.get()}, graphs.geometry, c.dtype);
+  RunScenario(tw, graphs.geometry, 0, 8);
+  const TierStats sa = a->tier_stats(), sb = b->tier_stats();
+  EXPECT_GT(sb.hbm_misses, 0);
+  EXPECT_EQ(sa.hbm_hits, sb.hbm_hits);
+  EXPECT_EQ(sa.hbm_misses, sb.hbm_misses);
+  EXPECT_EQ(sa.hbm_evictions, sb.hbm_evictions);
+  EXPECT_EQ(sa.host_to_hbm_bytes, sb.host_to_hbm_bytes);
+}
+
 // Host tier smaller than the cache, the rest on disk: under `strict` the
 // outputs are the in-memory ones, bit for bit; under `deadline` the run
 // completes and counts what it skipped.
