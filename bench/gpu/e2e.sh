@@ -10,8 +10,9 @@
 #   l2-8g    Llama-2-7B, 128K (64 GiB of K/V), 8 GiB of HBM
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
 #            HBM budget of 1/8 of the K/V; plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
+#   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
-#            64 GiB pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
+#            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true
@@ -39,12 +40,19 @@ one() {  # name, flags...
 for run in $RUNS; do
   case $run in
     l3-all) one l3-all $L3 --recall-every 32 ;;
+    l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
     l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;
     l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;
     l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do
+        # 128K with 1/8 of the K/V in HBM is l3-all / l3-2g: reuse them when they ran.
+        if [ $ctx = 131072 ] && [ -s "$OUT/e2e-l3-all.json" ] && [ -s "$OUT/e2e-l3-2g.json" ]; then
+          cp "$OUT/e2e-l3-all.json" "$OUT/e2e-sweep-131072-all.json"
+          cp "$OUT/e2e-l3-2g.json" "$OUT/e2e-sweep-131072-8th.json"
+          continue
+        fi
         kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16
         one sweep-$ctx-all --preset llama3-8b --context $ctx --steps 16 --recall-every 0
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
@@ -52,7 +60,7 @@ for run in $RUNS; do
     l3-1m-strict | l3-1m-deadline)
       rm -rf "$DISK" && mkdir -p "$DISK"
       one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every 0 --hbm-bytes 16G \
-        --host-bytes 64G --disk-dir "$DISK" --disk-bytes 60G --cold-miss ${run#l3-1m-}
+        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-64G} --cold-miss ${run#l3-1m-}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
   esac
