@@ -603,6 +603,44 @@ void Workload::Tokens(int layer, int64_t begin, int64_t n, float* k, float* v) c
   }
 }
 
+WorkloadTokenTables Workload::TokenTables() const {
+  const WorkloadState& s = *state_;
+  WorkloadTokenTables t;
+  t.structured = s.structured();
+  const int heads = s.geometry.kv_heads;
+  for (int layer = 0; layer < s.geometry.layers; ++layer)
+    for (int h = 0; h < heads; ++h) {
+      t.key_noise.push_back(StreamKey(s.spec.seed, Stream::kKeyNoise, uint64_t(layer), uint64_t(h)));
+      t.value_noise.push_back(StreamKey(s.spec.seed, Stream::kValueNoise, uint64_t(layer), uint64_t(h)));
+      if (!t.structured) continue;
+      for (int topic = 0; topic < kTopics; ++topic)
+        t.anchor_keys.push_back(StreamKey(s.spec.seed, Stream::kAnchor, uint64_t(layer) * heads + h, uint64_t(topic)));
+    }
+  if (!t.structured) return t;
+  const float unit = std::sqrt(float(s.dim()));
+  t.constants = {.topics = kTopics,
+                 .dirs = kDirs,
+                 .basis_dirs = kBasisDirs,
+                 .sink_dir = kSinkDir,
+                 .topic_dir0 = kTopicDir0,
+                 .sink_tokens = kSinkTokens,
+                 .drift_tokens = kDriftTokens,
+                 // As AddSignal and Anchor compute them.
+                 .key_scale = kKeySignal * unit,
+                 .sink_key_scale = kSinkKeySignal * unit,
+                 .value_scale = kValueSignal * unit,
+                 .sink_value_scale = kSinkValueScale,
+                 .anchor_fixed = float(std::sqrt(1.0 - kDriftShare)),
+                 .anchor_drift = float(std::sqrt(kDriftShare))};
+  t.span_begins = s.span_begins;
+  t.span_topics = s.span_topics;
+  for (const Run& r : s.runs)
+    t.runs.push_back({r.begin, r.end, SpecialDir(r.role, r.role == Role::kNeedle ? r.needle : 0)});
+  t.key_dirs = s.key_dirs;
+  t.value_dirs = s.value_dirs;
+  return t;
+}
+
 QueryTarget Workload::Target(int64_t step) const {
   const WorkloadState& s = *state_;
   assert(step >= 0 && step < s.spec.decode_steps);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string_view>
+#include <vector>
 
 #include "runtime/config.h"
 #include "runtime/status.h"
@@ -56,6 +57,53 @@ struct QueryTarget {
 
 struct WorkloadState;  // defined in workload.cc
 
+// How Tokens() computes its values, as read-only copies of the workload's
+// tables and constants, for generators that reproduce them elsewhere
+// (runtime/workload_cuda.h). Reading it changes nothing Tokens() generates.
+//
+// Token at position pos, KV head h of layer l, D = head_dim, P = ceil(D/2):
+// K starts as FillNormal(key_noise[l * Hkv + h], pos * P) (workload.cc), V
+// likewise from value_noise. A structured workload then adds, by pos's role:
+//   pos < sink_tokens:      K += sink_key_scale * key_dir(sink_dir); V *= sink_value_scale
+//   inside a run r:         K += key_scale * key_dir(r.dir); V += value_scale * value_dir(r.dir)
+//   else topic t of pos's span:
+//                           K += key_scale * centroid(t, pos); V += value_scale * value_dir(topic_dir0 + t)
+// where centroid(t, pos) is the normalised linear blend of the anchors of
+// knots pos / drift_tokens and the next, and anchor(t, knot) is
+// FillNormal(anchor_keys[(l * Hkv + h) * topics + t], knot * P) with the
+// first basis_dirs key directions projected out, normalised, then
+// anchor_fixed * key_dir(topic_dir0 + t) + anchor_drift * it.
+struct WorkloadTokenTables {
+  struct Run {
+    int64_t begin;
+    int64_t end;
+    int dir;  // key and value direction index
+  };
+  // The structured workload's constants (zero for gaussian).
+  struct Constants {
+    int topics = 0;
+    int dirs = 0;        // directions per head in key_dirs / value_dirs
+    int basis_dirs = 0;  // the first basis_dirs are orthonormal
+    int sink_dir = 0;
+    int topic_dir0 = 0;
+    int64_t sink_tokens = 0;
+    int64_t drift_tokens = 0;
+    float key_scale = 0, sink_key_scale = 0, value_scale = 0, sink_value_scale = 0;
+    float anchor_fixed = 0, anchor_drift = 0;
+  };
+  bool structured = false;
+  Constants constants;
+  std::vector<uint64_t> key_noise;    // [L][Hkv] stream keys
+  std::vector<uint64_t> value_noise;  // [L][Hkv]
+  // Structured only (empty otherwise).
+  std::vector<uint64_t> anchor_keys;  // [L][Hkv][topics]
+  std::vector<int64_t> span_begins;  // spans + 1 entries, the last total_tokens
+  std::vector<int> span_topics;      // [spans]
+  std::vector<Run> runs;             // sorted, disjoint
+  std::vector<float> key_dirs;       // [L][Hkv][dirs][D]
+  std::vector<float> value_dirs;     // [L][Hkv][dirs][D]
+};
+
 class Workload {
  public:
   // Bound on context_tokens + decode_steps: the structured layout is held in
@@ -88,6 +136,9 @@ class Workload {
 
   // What the queries of decode step `step` aim at (reports, tests).
   QueryTarget Target(int64_t step) const;
+
+  // Copies of what Tokens() is computed from (see WorkloadTokenTables).
+  WorkloadTokenTables TokenTables() const;
 
  private:
   explicit Workload(std::shared_ptr<const WorkloadState> state);
