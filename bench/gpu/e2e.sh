@@ -11,6 +11,7 @@
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
 #            HBM budget of 1/8 of the K/V; plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
 #   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
+#   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
 set -u -o pipefail
@@ -41,6 +42,7 @@ for run in $RUNS; do
   case $run in
     l3-all) one l3-all $L3 --recall-every 32 ;;
     l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
+    gen-check) one sweep-32768-hostgen --preset llama3-8b --context 32768 --steps 16 --recall-every 0 --gen host ;;
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
     l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;
     l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;

@@ -25,7 +25,7 @@ def load(folder):
 
 
 def twin(name, runs):
-    for a, b in (("-2g", "-all"), ("-8th", "-all"), ("-nog", "")):
+    for a, b in (("-2g", "-all"), ("-8th", "-all"), ("-nog", ""), ("-hostgen", "-all")):
         if name.endswith(a) and name[: -len(a)] + b in runs:
             return runs[name[: -len(a)] + b]
     return None

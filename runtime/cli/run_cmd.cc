@@ -13,6 +13,7 @@ constexpr const char* kUsage =
     "usage: questkv run [flags]   (defaults in brackets)\n"
     "backend:   --backend cpu|cuda [cpu] --dtype f32|f16|bf16 [f32 on cpu, f16 on cuda]\n"
     "           --no-cuda-graphs (launch every decode step directly instead of replaying graphs)\n"
+    "           --gen gpu|host [gpu on cuda]: where the prefill's K/V are generated (the same values)\n"
     "geometry:  --layers 4 --q-heads 8 --kv-heads 2 --head-dim 64 --page-size 16\n"
     "           --preset llama2-7b (32 layers, 32 heads x 128) | llama3-8b (32 layers, 32 q / 8 KV heads x 128);\n"
     "           flags given beside a preset override it\n"
@@ -36,6 +37,11 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype", o.config.backend == Backend::kCuda ? "f16" : "f32"));
   QKV_ASSIGN_OR_RETURN(g.dtype, ParseDType(dtype));
   o.config.cuda_graphs = !f.has("no-cuda-graphs");
+  QKV_ASSIGN_OR_RETURN(std::string gen, f.String("gen", o.config.backend == Backend::kCuda ? "gpu" : "host"));
+  if (gen != "gpu" && gen != "host") return Status::InvalidArgument("--gen: '" + gen + "' (gpu, host)");
+  if (gen == "gpu" && o.config.backend != Backend::kCuda)
+    return Status::InvalidArgument("--gen gpu needs --backend cuda");
+  o.gpu_workload = gen == "gpu";
   SelectionPolicy& p = o.config.policy;
   QKV_ASSIGN_OR_RETURN(std::string preset, f.String("preset", ""));
   if (preset == "llama2-7b") {
@@ -111,7 +117,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
 }  // namespace
 
 int RunMain(int argc, char** argv) {
-  Flags flags({"backend", "dtype", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
+  Flags flags({"backend", "dtype", "gen", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "top-r", "metrics-port", "metrics-linger-ms"},

@@ -16,6 +16,12 @@
 #include "selector/diagnostics.h"
 #include "topology/topology.h"
 
+#if QUESTKV_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "runtime/workload_cuda.h"
+#endif
+
 namespace questkv::cli {
 
 namespace {
@@ -109,6 +115,51 @@ Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
     bar.Update(done += c.n);
   }
   return Status::Ok();
+}
+
+// The CUDA backend's prefill: each chunk's K/V generated on the GPU
+// (DeviceWorkload: the host generator's values, bit for bit) straight into
+// device memory in the model dtype and appended from there.
+Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
+#if QUESTKV_HAVE_CUDA
+  const Geometry& g = o.config.geometry;
+  const std::size_t bytes = std::size_t(kPrefillChunk) * g.kv_heads * g.head_dim * DTypeBytes(g.dtype);
+  struct Device {
+    void* k = nullptr;
+    void* v = nullptr;
+    cudaStream_t stream = nullptr;
+    ~Device() {
+      if (stream) cudaStreamDestroy(stream);
+      cudaFree(k);
+      cudaFree(v);
+    }
+  } d;
+  if (cudaMalloc(&d.k, bytes) != cudaSuccess || cudaMalloc(&d.v, bytes) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking) != cudaSuccess)
+    return Status::ResourceExhausted("device buffers for the prefill chunks");
+  std::vector<std::unique_ptr<DeviceWorkload>> gen;
+  for (const Workload& w : batch.workloads) {
+    QKV_ASSIGN_OR_RETURN(std::unique_ptr<DeviceWorkload> dw, DeviceWorkload::Create(w));
+    gen.push_back(std::move(dw));
+  }
+  int64_t total = 0, done = 0;
+  for (int64_t len : batch.lengths) total += len * g.layers;
+  Progress bar("prefill (K/V generated on the GPU)", total, o.progress);
+  for (std::size_t b = 0; b < batch.ids.size(); ++b)
+    for (int layer = 0; layer < g.layers; ++layer)
+      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk) {
+        const int64_t n = std::min(kPrefillChunk, batch.lengths[b] - t);
+        QKV_RETURN_IF_ERROR(gen[b]->Tokens(layer, t, n, d.k, d.v, g.dtype, d.stream));
+        if (const cudaError_t e = cudaStreamSynchronize(d.stream); e != cudaSuccess)
+          return Status::Internal(std::string("prefill generation: ") + cudaGetErrorString(e));
+        QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[b], layer, d.k, d.v, n));
+        bar.Update(done += n);
+      }
+  return Status::Ok();
+#else
+  (void)rt, (void)o, (void)batch;
+  return Status::Unimplemented("K/V generated on the GPU needs a CUDA build");
+#endif
 }
 
 RunReport::Links LinksOf(const TierStats& t) {
@@ -264,7 +315,7 @@ Result<RunReport> RunJob(const RunOptions& o) {
   }
   QKV_ASSIGN_OR_RETURN(Batch batch, MakeBatch(*rt, o));
   const auto t0 = std::chrono::steady_clock::now();
-  QKV_RETURN_IF_ERROR(Prefill(*rt, o, batch));
+  QKV_RETURN_IF_ERROR(o.gpu_workload ? PrefillOnGpu(*rt, o, batch) : Prefill(*rt, o, batch));
   r.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const RunReport::Links after_prefill = LinksOf(rt->tier_stats());
   r.bytes_moved_prefill = after_prefill;

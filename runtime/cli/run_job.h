@@ -26,6 +26,9 @@ struct RunOptions {
   int recall_every = 8;          // diagnose every N-th step (0: never)
   int top_r = 16;                // R of the page-recall and exact top-R diagnostics
   bool progress = true;
+  // CUDA backend: generate the prefill's K/V on the GPU (the same values as
+  // the host generator) and append them from device memory.
+  bool gpu_workload = false;
   // Serve Prometheus metrics on 127.0.0.1:metrics_port while running (-1: off;
   // 0: any free port, printed on stderr), and keep serving metrics_linger_ms
   // after the run so a scraper can read the final values.
