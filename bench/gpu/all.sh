@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything GPU in one device call, most important first, each part under
+# its own time limit, the results packed into $OUT/all.tgz after each part
+# (the device tool returns at most 8 files, and a call cut short keeps what
+# was packed):
+#   1. the CUDA backend's tests and the 128K runs (bench/gpu/run.sh, E2E)
+#   2. the 1M-token run under strict
+#   3. several GPUs (bench/multigpu/run.sh), when there are 2+ GPUs
+#   4. the length sweep (plots: bench/plot_e2e.py)
+#   5. the kernel tests of resolve and of a layer's step in a CUDA graph
+#   6. the 1M-token run under deadline
+#   usage (device machine, repo root): bash bench/gpu/all.sh [bin_dir] [mgpu_dir]
+set -u -o pipefail
+BIN=${1:-.device/bin}
+MGPU=${2:-.device/mgpu}
+FINAL=${OUT:-/tmp/questkv-all}
+export OUT=/tmp/questkv-all-work
+mkdir -p "$OUT" "$FINAL"
+pack() { tar czf "$FINAL/all.tgz" -C "$OUT" . 2>/dev/null; }
+part() {  # seconds, title, command...
+  local limit=$1 title=$2
+  shift 2
+  echo "=== $title (limit ${limit}s)"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/part-${title// /_}.log" 2>&1
+  echo "rc=$? in $(($(date +%s) - t0)) s"
+  tail -${TAIL:-14} "$OUT/part-${title// /_}.log"
+  pack
+}
+for f in "$BIN"/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+chmod +x "$BIN"/questkv* 2>/dev/null
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+free -g | head -2; df -h /tmp | tail -1; nproc
+part ${T1:-240} "runtime tests and 128K" env KERNELS=0 E2E="${E2E:-l3-all l3-all-nog l3-2g l3g-all l3g-2g gen-check}" \
+  bash bench/gpu/run.sh "$BIN"
+part ${T2:-220} "1M strict" bash bench/gpu/e2e.sh "$BIN" l3-1m-strict
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -d "$MGPU" ]; then
+  part ${T3:-150} "several GPUs" bash bench/multigpu/run.sh "$MGPU" --contexts 32768,131072,1048576 --reps 10
+fi
+part ${T4:-90} "sweep" env SWEEP="2048 8192 32768 131072" bash bench/gpu/e2e.sh "$BIN" sweep
+part ${T5:-60} "kernel tests" "$BIN/questkv_kernels_cuda_test" --gtest_filter='*Resolve*:*LayerStepGraph*'
+part ${T6:-220} "1M deadline" bash bench/gpu/e2e.sh "$BIN" l3-1m-deadline
+python3 bench/gpu/e2e_table.py "$OUT"
+pack
