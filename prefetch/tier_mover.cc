@@ -239,45 +239,61 @@ Status TierMover::WaitIdle(uint32_t page) {
 
 // Coldest first: least recently selected, then least often. A page read in
 // place since the last EndReads stays: attention holds a pointer into it.
+// The order is computed once (a scan and sort of every page) and consumed
+// across calls until it runs out or the step changes: MakeHostRoom demotes a
+// queue's worth at a time, and re-sorting a million pages for each would
+// cost more than the writes. Entries are re-checked as they are used.
 Status TierMover::Demote(std::size_t target_used, int64_t step) {
-  order_.clear();
-  for (uint32_t p = 0; p < homes_.size(); ++p) {
-    const Home& h = homes_[p];
-    if (h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_) order_.push_back(p);
-  }
-  std::sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) {
-    const Home &x = homes_[a], &y = homes_[b];
-    return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
-  });
+  auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
   std::size_t used = host_->used();
-  for (uint32_t p : order_) {
-    if (used <= target_used) break;
-    Home& h = homes_[p];
-    if (disk_->Holds(p, h.generation)) {
-      // Immutable page already on disk: leaving the host costs no write.
-      SetHostValid(p, false);
-      host_->Free(h.host_slot);
-      h.host_slot = kNoSlot;
-      ++stats_.clean_drops;
-      --used;
-      continue;
+  bool queue_full = false;
+  // A stale or used-up order is rebuilt; one that runs out without reaching
+  // the target is rebuilt once more (pages sealed or promoted since).
+  for (int pass = 0; pass < 2 && used > target_used && !queue_full; ++pass) {
+    if (pass == 1 || order_pos_ >= order_.size() || order_step_ != step) {
+      order_.clear();
+      for (uint32_t p = 0; p < homes_.size(); ++p)
+        if (eligible(homes_[p])) order_.push_back(p);
+      std::sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) {
+        const Home &x = homes_[a], &y = homes_[b];
+        return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
+      });
+      order_pos_ = 0;
+      order_step_ = step;
     }
-    auto ticket = disk_->SubmitWrite(p, h.generation, host_->data(h.host_slot), h.checksum);
-    if (!ticket.ok()) {
-      const Code code = ticket.status().code();
-      if (code == Code::kResourceExhausted) break;  // queue or disk full
-      if (code != Code::kCorruption) return ticket.status();
-      // The host copy no longer matches its seal: it must never be served.
-      ++stats_.corruptions;
-      SetHostValid(p, false);
-      host_->Free(h.host_slot);
-      h.host_slot = kNoSlot;
-      h.error = ticket.status();
+    for (; order_pos_ < order_.size() && used > target_used; ++order_pos_) {
+      const uint32_t p = order_[order_pos_];
+      Home& h = homes_[p];
+      if (!eligible(h)) continue;
+      if (disk_->Holds(p, h.generation)) {
+        // Immutable page already on disk: leaving the host costs no write.
+        SetHostValid(p, false);
+        host_->Free(h.host_slot);
+        h.host_slot = kNoSlot;
+        ++stats_.clean_drops;
+        --used;
+        continue;
+      }
+      auto ticket = disk_->SubmitWrite(p, h.generation, host_->data(h.host_slot), h.checksum);
+      if (!ticket.ok()) {
+        const Code code = ticket.status().code();
+        if (code == Code::kResourceExhausted) {  // queue or disk full: this page first next time
+          queue_full = true;
+          break;
+        }
+        if (code != Code::kCorruption) return ticket.status();
+        // The host copy no longer matches its seal: it must never be served.
+        ++stats_.corruptions;
+        SetHostValid(p, false);
+        host_->Free(h.host_slot);
+        h.host_slot = kNoSlot;
+        h.error = ticket.status();
+        --used;
+        continue;
+      }
+      h.io = Io::kWriting;
       --used;
-      continue;
     }
-    h.io = Io::kWriting;
-    --used;
   }
   CountHost();
   return Status::Ok();

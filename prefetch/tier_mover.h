@@ -137,7 +137,9 @@ class TierMover {
   DiskTier* disk_;
   std::vector<Home> homes_;  // [max_pages]
   std::vector<DiskCompletion> done_;
-  std::vector<uint32_t> order_;
+  std::vector<uint32_t> order_;  // demotion candidates, coldest first (Demote)
+  std::size_t order_pos_ = 0;
+  int64_t order_step_ = -1;
   MoverStats stats_;
   int64_t read_epoch_ = 0;
   HomeListener listener_;
