@@ -13,6 +13,7 @@ namespace questkv {
 namespace gpu_decode {
 
 Status CudaStatus(const char* what, cudaError_t e) {
+  if (e == cudaSuccess) return Status::Ok();
   std::string m = std::string(what) + ": " + cudaGetErrorString(e);
   if (e == cudaErrorInvalidValue && !kc::LastErrorMessage().empty()) m += " (" + kc::LastErrorMessage() + ")";
   if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(m);
