@@ -1034,6 +1034,8 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     }
   };
   const bool cold_waits = strict && mover_->has_disk();
+  // A step whose phases are to be timed is launched directly (see enqueue).
+  const bool timed = s.select_us || s.resolve_us || s.attend_us;
 
   // The whole step on the stream: inputs in, select -> resolve -> attend,
   // outputs out. Captured once per shape and replayed when graphs are on and
@@ -1049,7 +1051,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       if (g_.dtype != DType::kF32)
         QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), dt, qelems, stream_));
     }
-    QKV_CUDA(cudaEventRecord(ev_[0], stream_));
+    // Phase timing only when launched directly: cudaEventElapsedTime refuses
+    // events recorded by a graph's nodes (cudaErrorInvalidValue).
+    if (timed) QKV_CUDA(cudaEventRecord(ev_[0], stream_));
     kc::SelectParams sp;
     sp.shape = shape;
     sp.q_dtype = dt;
@@ -1063,10 +1067,10 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     sp.out_count = sel_count_.as<int32_t>();
     sp.workspace = sel_ws_.as();
     QKV_CUDA(kc::LaunchSelect(splan, sp, stream_));
-    QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+    if (timed) QKV_CUDA(cudaEventRecord(ev_[1], stream_));
     QKV_CUDA(kc::LaunchResolve(rplan, rp, stream_));
     if (!capturing && cold_waits) QKV_RETURN_IF_ERROR(settle_cold());
-    QKV_CUDA(cudaEventRecord(ev_[2], stream_));
+    if (timed) QKV_CUDA(cudaEventRecord(ev_[2], stream_));
     kc::AttendParams ap;
     ap.scale = 1.f / std::sqrt(float(D));
     ap.q = q;
@@ -1078,7 +1082,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     ap.o = s.host_f32 ? o_.as() : s.out;
     ap.workspace = att_ws_.as();
     QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
-    QKV_CUDA(cudaEventRecord(ev_[3], stream_));
+    if (timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
     if (s.host_f32) {
       const void* of = o_.as();
       if (g_.dtype != DType::kF32) {
@@ -1094,7 +1098,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     }
     return Status::Ok();
   };
-  if (c_.cuda_graphs && !cold_waits) {
+  if (c_.cuda_graphs && !cold_waits && !timed) {
     // Everything a captured step bakes in: shapes, buffers, pointers.
     std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32, want_sel, int64_t(hdr.size()),
                                 int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
@@ -1125,11 +1129,11 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   if (qcounts[1] != 0)
     return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");
 
-  if (s.select_us || s.resolve_us || s.attend_us) {
+  if (timed) {
     float a = 0, b = 0, c = 0;
-    cudaEventElapsedTime(&a, ev_[0], ev_[1]);
-    cudaEventElapsedTime(&b, ev_[1], ev_[2]);
-    cudaEventElapsedTime(&c, ev_[2], ev_[3]);
+    QKV_CUDA(cudaEventElapsedTime(&a, ev_[0], ev_[1]));
+    QKV_CUDA(cudaEventElapsedTime(&b, ev_[1], ev_[2]));
+    QKV_CUDA(cudaEventElapsedTime(&c, ev_[2], ev_[3]));
     if (s.select_us) *s.select_us += 1e3 * a;
     if (s.resolve_us) *s.resolve_us += 1e3 * b;
     if (s.attend_us) *s.attend_us += 1e3 * c;

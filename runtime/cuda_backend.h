@@ -106,7 +106,8 @@ class CudaBackend {
     bool host_f32 = true;      // q/out are host f32, else device memory in the model dtype
     int64_t step = 0;
     std::vector<PageSelection>* selections = nullptr;  // optional, resized to B
-    // Optional: device time of select, resolve (incl. cold waits), attention, microseconds.
+    // Optional: device time of select, resolve (incl. cold waits), attention,
+    // microseconds. A step asked for them is launched directly, not from a graph.
     double* select_us = nullptr;
     double* resolve_us = nullptr;
     double* attend_us = nullptr;

@@ -225,7 +225,7 @@ struct Runtime::Impl {
     st.step = step;
     st.selections = selections;
     int64_t selected = 0;
-    if (stats) {
+    if (stats && stats->time_phases) {
       st.select_us = &stats->select_us;
       st.resolve_us = &stats->resolve_us;
       st.attend_us = &stats->attend_us;

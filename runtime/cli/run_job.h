@@ -47,7 +47,8 @@ struct RunReport {
   Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
   struct Breakdown {
     double append = 0, select = 0, resolve = 0, attend = 0;
-  } step_breakdown_us;             // means per step
+  } step_breakdown_us;             // means per step (CUDA: select/resolve/attend over every 4th step,
+                                   // launched directly to be timed; the others replay graphs)
   // On sampled sparse (step, layer)s of an all-in-memory run: the runtime's
   // dense attention over the same K/V, timed beside the Quest call.
   int compared_layers = 0;
