@@ -49,7 +49,7 @@ Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t s
   h = Home{};
   h.host_slot = *slot;
   h.generation = generation;
-  h.last_step = step - 1;
+  h.last_step = step - 1;  // sealed, not yet selected: demotable this step
   CountHost();
   return static_cast<void*>(host_->data(*slot));
 }
@@ -58,6 +58,7 @@ void TierMover::SealEnd(uint32_t page) {
   Home& h = homes_[page];
   assert(h.host_slot != kNoSlot && !h.host_valid);
   stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
+  // Taken while the bytes are known good; checked again right before a write.
   h.checksum = PageChecksum(host_->data(h.host_slot), g_.page_bytes(), page, h.generation);
   SetHostValid(page, true);
 }
@@ -68,15 +69,8 @@ void TierMover::CountHost() {
 }
 
 Status TierMover::Seal(uint32_t page, uint32_t generation, int64_t step) {
-  Home& h = homes_[page];
-  assert(h.host_slot == kNoSlot && h.io == Io::kIdle);
-  auto slot = host_->Allocate();
-  if (!slot.ok()) {
-    QKV_RETURN_IF_ERROR(MakeHostRoom(step));
-    slot = host_->Allocate();
-    if (!slot.ok()) return slot.status();
-  }
-  float* home = host_->data(*slot);
+  QKV_ASSIGN_OR_RETURN(void* bytes, SealBegin(page, generation, step));
+  float* home = static_cast<float*>(bytes);
   const std::size_t hp = g_.head_page_elems();
   for (int head = 0; head < g_.kv_heads; ++head) {
     const int32_t s = hbm_->Lookup(page, head);
@@ -85,15 +79,7 @@ Status TierMover::Seal(uint32_t page, uint32_t generation, int64_t step) {
     std::memcpy(home + (g_.kv_heads + head) * hp, hbm_->data(s) + hp, hp * sizeof(float));
     hbm_->Unpin(s, step);
   }
-  stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
-  h = Home{};
-  h.host_slot = *slot;
-  h.generation = generation;
-  h.last_step = step - 1;  // sealed, not yet selected: demotable this step
-  // Taken while the bytes are known good; checked again right before a write.
-  h.checksum = PageChecksum(home, g_.page_bytes(), page, generation);
-  SetHostValid(page, true);
-  CountHost();
+  SealEnd(page);
   return Status::Ok();
 }
 
