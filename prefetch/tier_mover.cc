@@ -10,6 +10,7 @@ namespace questkv {
 
 namespace {
 constexpr uint32_t kNoSlot = UINT32_MAX;
+constexpr int64_t kMaxOrderAge = 256;  // steps (decode calls) a demotion order is used for
 }  // namespace
 
 TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
@@ -226,9 +227,10 @@ Status TierMover::WaitIdle(uint32_t page) {
 // Coldest first: least recently selected, then least often. A page read in
 // place since the last EndReads stays: attention holds a pointer into it.
 // The order is computed once (a scan and sort of every page) and consumed
-// across calls until it runs out or the step changes: MakeHostRoom demotes a
-// queue's worth at a time, and re-sorting a million pages for each would
-// cost more than the writes. Entries are re-checked as they are used.
+// across calls until it runs out or is kMaxOrderAge steps old: MakeHostRoom
+// and Pump demote a queue's worth at a time, and re-sorting a million pages
+// for each would cost more than the writes. Entries are re-checked as they
+// are used; a page selected since the order was made is passed over.
 Status TierMover::Demote(std::size_t target_used, int64_t step) {
   auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
   std::size_t used = host_->used();
@@ -236,7 +238,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step) {
   // A stale or used-up order is rebuilt; one that runs out without reaching
   // the target is rebuilt once more (pages sealed or promoted since).
   for (int pass = 0; pass < 2 && used > target_used && !queue_full; ++pass) {
-    if (pass == 1 || order_pos_ >= order_.size() || order_step_ != step) {
+    if (pass == 1 || order_pos_ >= order_.size() || step - order_step_ > kMaxOrderAge || step < order_step_) {
       order_.clear();
       for (uint32_t p = 0; p < homes_.size(); ++p)
         if (eligible(homes_[p])) order_.push_back(p);
@@ -250,7 +252,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step) {
     for (; order_pos_ < order_.size() && used > target_used; ++order_pos_) {
       const uint32_t p = order_[order_pos_];
       Home& h = homes_[p];
-      if (!eligible(h)) continue;
+      if (!eligible(h) || h.last_step > order_step_) continue;  // gone, busy, or selected since
       if (disk_->Holds(p, h.generation)) {
         // Immutable page already on disk: leaving the host costs no write.
         SetHostValid(p, false);
