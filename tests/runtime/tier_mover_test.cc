@@ -1,0 +1,145 @@
+// TierMover without an hbm cache, as the CUDA backend drives it: two-phase
+// seals, the home listener (the device's host_addr mirror), EnsureHost and
+// HostHome across demotion and promotion, and demotion order. Plain model:
+// a map of what each page's home should hold and whether it is readable.
+#include "prefetch/tier_mover.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <vector>
+
+#include "tests/testing/reference.h"
+#include "tiers/checksum.h"
+
+namespace questkv {
+namespace {
+
+class TierMoverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_ = Geometry{1, 2, 1, 8, 4, DType::kF16};  // page: 2 * 1 * 4 * 8 * 2 B = 128 B
+    auto host = SlotArena::Create(1024, kHostSlots, "host");
+    ASSERT_TRUE(host.ok());
+    host_ = std::move(*host);
+    dir_ = std::filesystem::temp_directory_path() / ("questkv_mover_" + std::to_string(::getpid()));
+    auto disk = DiskTier::Open({dir_.string(), 1 << 20, g_.page_bytes()}, MakeMemoryBackend(4));
+    ASSERT_TRUE(disk.ok()) << disk.status().ToString();
+    disk_ = std::move(*disk);
+    ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
+    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+                                         disk_.get());
+    mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  }
+  void TearDown() override {
+    mover_.reset();
+    disk_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  // Seals `page` with bytes derived from `seed` through SealBegin/SealEnd.
+  void SealPage(uint32_t page, uint8_t seed, int64_t step) {
+    auto home = mover_->SealBegin(page, /*generation=*/1, step);
+    ASSERT_TRUE(home.ok()) << home.status().ToString();
+    EXPECT_EQ(mover_->HostHome(page), nullptr) << "readable before SealEnd";
+    std::vector<uint8_t> bytes(g_.page_bytes());
+    for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(seed + i);
+    std::memcpy(*home, bytes.data(), bytes.size());
+    truth_[page] = bytes;
+    mover_->SealEnd(page);
+    EXPECT_EQ(mover_->HostHome(page), *home);
+    EXPECT_EQ(published_[page], *home);
+  }
+  // Every page's home, where readable, holds its bytes, and the listener's
+  // view equals HostHome.
+  void CheckHomes() {
+    for (const auto& [page, bytes] : truth_) {
+      const void* home = mover_->HostHome(page);
+      EXPECT_EQ(published_[page], home) << "page " << page;
+      if (home) EXPECT_EQ(std::memcmp(home, bytes.data(), bytes.size()), 0) << "page " << page;
+    }
+  }
+
+  static constexpr uint32_t kHostSlots = 8, kPages = 64;
+  Geometry g_;
+  std::unique_ptr<SlotArena> host_;
+  std::unique_ptr<DiskTier> disk_;
+  std::unique_ptr<TierMover> mover_;
+  std::filesystem::path dir_;
+  std::map<uint32_t, const void*> published_;
+  std::map<uint32_t, std::vector<uint8_t>> truth_;
+};
+
+TEST_F(TierMoverTest, SealsDemotesAndPromotesWithTheListenerInStep) {
+  int64_t step = 1;
+  for (uint32_t p = 0; p < 20; ++p) {  // more pages than host slots: seals demote to make room
+    SealPage(p, uint8_t(3 * p), step);
+    CheckHomes();
+  }
+  EXPECT_GT(mover_->stats().demotions + int64_t(disk_->in_flight()), 0);
+  EXPECT_LE(host_->used(), kHostSlots);
+  // Every page can be made readable again, with its bytes.
+  for (uint32_t p = 0; p < 20; ++p) {
+    ++step;
+    ASSERT_TRUE(mover_->EnsureHost(p, 1, step).ok()) << "page " << p;
+    ASSERT_NE(mover_->HostHome(p), nullptr);
+    CheckHomes();
+  }
+  EXPECT_GT(mover_->stats().promotions, 0);
+  EXPECT_EQ(mover_->stats().prefetches, 0);  // promotions of missed pages are not prefetches
+  // A drop unpublishes.
+  mover_->Drop(7);
+  EXPECT_EQ(published_[7], nullptr);
+  EXPECT_EQ(mover_->HostHome(7), nullptr);
+}
+
+TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
+  // Pages 0..6 fill 7 of 8 host slots (high water 6), page p last selected at step p + 2.
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());  // down to low water (4): the three coldest go
+  ASSERT_TRUE(mover_->Pump(21).ok());  // their writes complete
+  for (uint32_t p : {0u, 1u, 2u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  for (uint32_t p : {3u, 4u, 5u, 6u}) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p;
+  // Refill, and select page 3 — the next coldest by the order made at step 20.
+  for (uint32_t p = 7; p < 10; ++p) SealPage(p, uint8_t(p), 21);
+  mover_->NoteSelected(3, 21);
+  ASSERT_TRUE(mover_->Pump(22).ok());
+  ASSERT_TRUE(mover_->Pump(23).ok());
+  EXPECT_NE(mover_->HostHome(3), nullptr) << "a page selected since the order was made was demoted";
+  for (uint32_t p : {4u, 5u, 6u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  EXPECT_LE(host_->used(), 6u);
+  CheckHomes();
+}
+
+TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
+  // No disk room: a tiny disk tier.
+  mover_.reset();
+  disk_.reset();
+  auto disk = DiskTier::Open({dir_.string() + "-small", 4096, g_.page_bytes()}, MakeMemoryBackend(4));
+  ASSERT_TRUE(disk.ok());
+  disk_ = std::move(*disk);
+  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
+  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+                                       disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  Status last;
+  uint32_t p = 0;
+  for (; p < 40 && last.ok(); ++p) {
+    auto home = mover_->SealBegin(p, 1, 1);
+    last = home.status();
+    if (home.ok()) {
+      std::memset(*home, int(p), g_.page_bytes());
+      truth_[p] = std::vector<uint8_t>(g_.page_bytes(), uint8_t(p));
+      mover_->SealEnd(p);
+    }
+  }
+  EXPECT_EQ(last.code(), Code::kResourceExhausted) << last.ToString();
+  EXPECT_EQ(published_.count(p - 1), 0u) << "the refused page was published";
+  CheckHomes();
+  std::filesystem::remove_all(dir_.string() + "-small");
+}
+
+}  // namespace
+}  // namespace questkv
