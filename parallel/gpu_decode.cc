@@ -14,6 +14,10 @@ namespace gpu_decode {
 
 Status CudaStatus(const char* what, cudaError_t e) {
   if (e == cudaSuccess) return Status::Ok();
+  // Reported here, so cleared: left as this thread's last error, it would come
+  // back from the next launcher's cudaGetLastError as that launch's failure
+  // (sticky errors, a faulted context, stay whatever is done).
+  (void)cudaGetLastError();
   std::string m = std::string(what) + ": " + cudaGetErrorString(e);
   if (e == cudaErrorInvalidValue && !kc::LastErrorMessage().empty()) m += " (" + kc::LastErrorMessage() + ")";
   if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(m);
@@ -33,8 +37,12 @@ static_assert(int(kc::GqaAgg::kMax) == int(GqaMode::kMax) && int(kc::GqaAgg::kMe
 }  // namespace
 
 GpuDecoder::Impl::~Impl() {
-  cudaSetDevice(dev);
-  if (stream) cudaStreamSynchronize(stream);
+  // Runs before the members (buffers, plans) are freed, so they are freed on
+  // this device. Errors here are not reported, but they are cleared: a failed
+  // call leaves its error for the next cudaGetLastError of this thread, which
+  // every kernel launcher returns.
+  if (cudaSetDevice(dev) != cudaSuccess) (void)cudaGetLastError();
+  if (stream && cudaStreamSynchronize(stream) != cudaSuccess) (void)cudaGetLastError();
   for (cudaEvent_t e : ev)
     if (e) cudaEventDestroy(e);
   if (stream) cudaStreamDestroy(stream);
@@ -146,6 +154,7 @@ Result<std::unique_ptr<GpuDecoder>> GpuDecoder::Create(const Geometry& g, const 
     impl->heads = impl->head_ranges[rank].count;
   }
   QKV_RETURN_IF_ERROR(impl->Init());
+  QKV_RETURN_IF_ERROR(impl->PlanAll());
   return std::unique_ptr<GpuDecoder>(new GpuDecoder(std::move(impl)));
 }
 
@@ -189,8 +198,19 @@ Status GpuDecoder::FillRandom(uint64_t seed) {
 
 // ---- per-layer plans ----------------------------------------------------------
 
+// Every layer's plan, at creation: Decode then allocates nothing (see
+// Impl::plan_store). A plan depends on the layer only through its dense flag
+// and page budget, so layers of the same policy share one.
+Status GpuDecoder::Impl::PlanAll() {
+  for (int layer = 0; layer < g.layers; ++layer) QKV_RETURN_IF_ERROR(PlanFor(layer).status());
+  return Status::Ok();
+}
+
+// The device must be current (dev).
 Result<gd::LayerPlan*> GpuDecoder::Impl::PlanFor(int layer) {
-  if (auto it = plans.find(layer); it != plans.end()) return it->second.get();
+  if (auto it = plans.find(layer); it != plans.end()) return it->second;
+  const std::pair<bool, int64_t> key{p.is_dense(layer), p.page_budget(layer, g.page_size)};
+  if (auto it = plan_store.find(key); it != plan_store.end()) return plans[layer] = it->second.get();
   auto lp = std::make_unique<LayerPlan>();
   if (o.mode == GpuParallelMode::kContext) {
     for (const GpuSequence& s : batch) lp->steps.push_back(PlanContextStep(g, p, layer, s.num_pages));
@@ -199,7 +219,7 @@ Result<gd::LayerPlan*> GpuDecoder::Impl::PlanFor(int layer) {
   } else {
     QKV_RETURN_IF_ERROR(PlanHead(layer, lp.get()));
   }
-  return (plans[layer] = std::move(lp)).get();
+  return plans[layer] = (plan_store[key] = std::move(lp)).get();
 }
 
 // LaunchSelect over the ranked sequences' candidate lists: the local pages

@@ -72,6 +72,11 @@ class GpuDecoder {
   // sequence, rank/ranks out of range or (kHead) more ranks than KV heads;
   // ResourceExhausted when the device memory does not suffice; Internal for
   // other CUDA failures. Geometry and policy must already be validated.
+  // Every layer's device plan is made here, so Decode allocates and frees
+  // nothing. Create, LoadSequence and FillRandom do: when ranks are threads
+  // of one process over NCCL, let every rank finish them before any rank
+  // calls a collective (a host-side barrier), as cudaMalloc/cudaFree may wait
+  // for a peer GPU whose NCCL kernel waits for this rank.
   static Result<std::unique_ptr<GpuDecoder>> Create(const Geometry& g, const SelectionPolicy& p,
                                                     const GpuDecodeOptions& options, int ranks, int rank,
                                                     std::span<const GpuSequence> batch);

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/kernels_cuda.h"
@@ -152,7 +153,12 @@ struct GpuDecoder::Impl {
   Buffer<uint32_t> page_ids;
   cudaStream_t stream = nullptr;
   cudaEvent_t ev[4] = {};  // select start, end; attend start, end
-  std::map<int, std::unique_ptr<LayerPlan>> plans;
+  // Every layer's plan, made by Create (PlanAll): layers of the same policy
+  // (dense flag, page budget) share one. Decode allocates nothing, so a rank
+  // never calls cudaMalloc/cudaFree/cudaMallocHost while a peer's NCCL
+  // collective is in flight (those calls may wait on every peer GPU: a hang).
+  std::map<std::pair<bool, int64_t>, std::unique_ptr<LayerPlan>> plan_store;
+  std::map<int, LayerPlan*> plans;
   // Per step.
   Pinned<float> q_host;  // [batch][held query heads][D]
   Buffer<float> q32;
@@ -173,6 +179,7 @@ struct GpuDecoder::Impl {
   // gpu_decode.cc
   Status Init();
   Status BuildSummaries();
+  Status PlanAll();
   Result<LayerPlan*> PlanFor(int layer);
   Status PlanContextSelect(LayerPlan* lp);
   Status PlanContextAttend(LayerPlan* lp);

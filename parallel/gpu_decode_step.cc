@@ -114,10 +114,18 @@ kc::AttendParams GpuDecoder::Impl::AttendArgs(LayerPlan& lp, float scale, const 
   return ap;
 }
 
+// Called once the stream has finished the step. An elapsed time that cannot
+// be read is reported as 0 and its error cleared: left set, it would come
+// back from the next kernel launcher's cudaGetLastError as that launch's.
 void GpuDecoder::Impl::ReadDeviceTimes(bool selected) {
-  float ms = 0.f;
-  times.select_gpu_us = selected && cudaEventElapsedTime(&ms, ev[0], ev[1]) == cudaSuccess ? 1e3 * ms : 0.0;
-  times.attend_gpu_us = cudaEventElapsedTime(&ms, ev[2], ev[3]) == cudaSuccess ? 1e3 * ms : 0.0;
+  auto elapsed_us = [](cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0.f;
+    if (cudaEventElapsedTime(&ms, a, b) == cudaSuccess) return 1e3 * ms;
+    (void)cudaGetLastError();
+    return 0.0;
+  };
+  times.select_gpu_us = selected ? elapsed_us(ev[0], ev[1]) : 0.0;
+  times.attend_gpu_us = elapsed_us(ev[2], ev[3]);
 }
 
 // ---- context parallel --------------------------------------------------------------
