@@ -15,6 +15,7 @@ static_assert(sizeof(ncclUniqueId) == sizeof(NcclId::bytes), "NCCL_UNIQUE_ID_BYT
 
 Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::Ok();
+  (void)cudaGetLastError();  // reported here: not left for the next caller's cudaGetLastError
   return Status::Internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
@@ -126,6 +127,11 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move
 NcclCommunicator::~NcclCommunicator() = default;
 
 Result<NcclId> NcclCommunicator::NewId() {
+  // Also here, not only in Create: NewId is usually called before the rank
+  // threads start, and setenv while another thread reads the environment
+  // (CUDA and NCCL initialising in Create) is a data race. Once set, the
+  // setenv in Create changes nothing.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   ncclUniqueId uid;
   const ncclResult_t r = ncclGetUniqueId(&uid);
   if (r != ncclSuccess) return Status::IOError(std::string("ncclGetUniqueId: ") + ncclGetErrorString(r));
