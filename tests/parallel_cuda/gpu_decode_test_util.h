@@ -10,8 +10,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,14 +63,41 @@ inline std::vector<Reference> References(const GpuBatch& batch, const SelectionP
   return refs;
 }
 
-// One rank's part: its decoder, its share of every sequence, one step.
+// A host-side meeting of the rank threads of one process, for NCCL runs:
+// every rank finishes its set-up (device allocations, uploads, frees of
+// staging memory) before any rank launches its first collective. Those calls
+// may wait for every GPU the device has peer access to, so one made while a
+// peer's NCCL kernel waits for this rank would hang both.
+class HostRendezvous {
+ public:
+  explicit HostRendezvous(int ranks) : barrier_(ranks) {}
+  // Waits for every rank; true when every rank arrived with ok.
+  bool AllOk(bool ok) {
+    if (!ok) failed_.fetch_add(1);
+    barrier_.arrive_and_wait();
+    return failed_.load() == 0;
+  }
+
+ private:
+  std::barrier<> barrier_;
+  std::atomic<int> failed_{0};
+};
+
+// One rank's part: its decoder, its share of every sequence, one step. With
+// `ready`, the ranks meet there between set-up and the step, and a set-up
+// failure on any rank ends every rank before its first collective.
 inline Status DecodeOnRank(Communicator& comm, const GpuBatch& batch, const SelectionPolicy& p,
-                           const GpuDecodeOptions& options, int layer, std::vector<ParallelDecodeOutput>* out) {
-  QKV_ASSIGN_OR_RETURN(auto decoder,
-                       GpuDecoder::Create(batch.g, p, options, comm.size(), comm.rank(), batch.shapes));
-  for (std::size_t b = 0; b < batch.seqs.size(); ++b)
-    QKV_RETURN_IF_ERROR(decoder->LoadSequence(int(b), batch.seqs[b].page_ptrs.data()));
-  return decoder->Decode(comm, batch.q.data(), layer, Scale(batch.g), out);
+                           const GpuDecodeOptions& options, int layer, std::vector<ParallelDecodeOutput>* out,
+                           HostRendezvous* ready = nullptr) {
+  Result<std::unique_ptr<GpuDecoder>> made =
+      GpuDecoder::Create(batch.g, p, options, comm.size(), comm.rank(), batch.shapes);
+  Status st = made.status();
+  for (std::size_t b = 0; st.ok() && b < batch.seqs.size(); ++b)
+    st = (*made)->LoadSequence(int(b), batch.seqs[b].page_ptrs.data());
+  if (ready != nullptr && !ready->AllOk(st.ok()))
+    return st.ok() ? Status::FailedPrecondition("another rank failed its set-up") : st;
+  QKV_RETURN_IF_ERROR(st);
+  return (*made)->Decode(comm, batch.q.data(), layer, Scale(batch.g), out);
 }
 
 struct GpuRun {

@@ -4,6 +4,7 @@
 // fewer. Without NCCL in the build the suite skips, saying so.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,12 @@ namespace questkv {
 namespace {
 
 #ifdef QUESTKV_HAVE_NCCL
+
+// At static initialisation, before this binary's first CUDA call: every
+// kernel loaded when a device's context starts. Lazy loading (the default)
+// loads a kernel at its first launch, which can wait on the device while the
+// peer rank's NCCL kernel waits for this rank (threads-per-GPU NCCL hangs).
+[[maybe_unused]] const bool kEagerModules = [] { return setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0) == 0; }();
 
 void RunOverNccl(int ranks) {
   const Geometry g = test::MakeGeometry(8, 4, 16, 128);
@@ -33,8 +40,9 @@ void RunOverNccl(int ranks) {
       for (int layer : {0, 1}) {
         test::GpuRun run;
         run.outs.resize(ranks);
+        test::HostRendezvous ready(ranks);
         run.statuses = test::RunOnGpus(ranks, [&](NcclCommunicator& comm) {
-          return test::DecodeOnRank(comm, batch, p, o, layer, &run.outs[comm.rank()]);
+          return test::DecodeOnRank(comm, batch, p, o, layer, &run.outs[comm.rank()], &ready);
         });
         test::ExpectMatches(batch, test::References(batch, p, layer), run, what + " layer " + std::to_string(layer));
       }
