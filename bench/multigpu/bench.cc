@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -122,9 +123,34 @@ struct Result1 {
   std::vector<float> o;              // rank 0's last outputs, [batch][Hq][D]
 };
 
-// Runs body(comm) on one thread per rank and returns the ranks' statuses.
-std::vector<Status> RunRanks(const Args& a, int ranks, const std::function<Status(Communicator&)>& body) {
-  if (a.comm == "inprocess") return InProcessGroup::Create(ranks).value()->Run(body);
+// A host-side meeting of the rank threads: every rank finishes its set-up
+// (device allocations, uploads) before any rank launches a collective. With
+// NCCL, cudaMalloc/cudaFree/cudaMallocHost may wait for every GPU the device
+// has peer access to, so one made while a peer's NCCL kernel waits for this
+// rank would hang both (a collective cannot serve as this meeting).
+class Rendezvous {
+ public:
+  explicit Rendezvous(int ranks) : barrier_(ranks) {}
+  // Waits for every rank; true when every rank arrived with ok.
+  bool AllOk(bool ok) {
+    if (!ok) failed_.fetch_add(1);
+    barrier_.arrive_and_wait();
+    return failed_.load() == 0;
+  }
+
+ private:
+  std::barrier<> barrier_;
+  std::atomic<int> failed_{0};
+};
+
+using RankFn = std::function<Status(Communicator&, Rendezvous&)>;
+
+// Runs body(comm, rendezvous) on one thread per rank and returns the ranks'
+// statuses.
+std::vector<Status> RunRanks(const Args& a, int ranks, const RankFn& body) {
+  Rendezvous ready(ranks);
+  if (a.comm == "inprocess")
+    return InProcessGroup::Create(ranks).value()->Run([&](Communicator& comm) { return body(comm, ready); });
   std::vector<Status> st(ranks);
 #ifdef QUESTKV_HAVE_NCCL
   Result<NcclId> id = NcclCommunicator::NewId();
@@ -135,7 +161,12 @@ std::vector<Status> RunRanks(const Args& a, int ranks, const std::function<Statu
       NcclOptions options;
       options.device = r;
       auto comm = NcclCommunicator::Create(*id, r, ranks, options);
-      st[r] = comm.ok() ? body(**comm) : comm.status();
+      if (comm.ok()) {
+        st[r] = body(**comm, ready);
+      } else {
+        st[r] = comm.status();
+        ready.AllOk(false);  // the others do not wait for this rank at the meeting
+      }
     });
   for (auto& t : threads) t.join();
 #endif
@@ -143,17 +174,15 @@ std::vector<Status> RunRanks(const Args& a, int ranks, const std::function<Statu
 }
 
 // Every rank's part of one configuration: its decoder over its share, the
-// random K/V, a check that every rank is ready, warm-up, timed steps.
+// random K/V, a meeting where every rank is ready, warm-up, timed steps.
 Status RankBody(const Args& a, const Geometry& g, const SelectionPolicy& p, const GpuDecodeOptions& o,
-                const std::vector<GpuSequence>& seqs, const std::vector<float>& q, Communicator& comm, Result1* res) {
+                const std::vector<GpuSequence>& seqs, const std::vector<float>& q, Communicator& comm,
+                Rendezvous& ready, Result1* res) {
   auto made = GpuDecoder::Create(g, p, o, comm.size(), comm.rank(), seqs);
   Status st = made.status();
   if (st.ok()) st = (*made)->FillRandom(0x5eed);
-  // A rank that could not start tells the others before any step.
-  float ready = st.ok() ? 1.f : 0.f;
-  QKV_RETURN_IF_ERROR(comm.AllReduceSum(&ready, &ready, 1));
-  if (!st.ok()) return st;
-  if (ready != float(comm.size())) return Status::FailedPrecondition("another rank could not start");
+  // A rank that could not start tells the others before any collective.
+  if (!ready.AllOk(st.ok())) return st.ok() ? Status::FailedPrecondition("another rank could not start") : st;
   GpuDecoder& dec = **made;
   const float scale = 1.f / std::sqrt(float(g.head_dim));
   std::vector<ParallelDecodeOutput> out;
@@ -257,6 +286,11 @@ std::string JsonSafe(std::string s) {
 
 int Main(int argc, char** argv) {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // NVLink multicast stays off (KINDS.md)
+  // Before the first CUDA call: every kernel loaded when a device's context
+  // starts. Lazy loading (the default) loads a kernel at its first launch,
+  // which can wait on the device while a peer rank's NCCL kernel waits for
+  // this rank: a known way for threads-per-GPU NCCL programs to hang.
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   Args a = Parse(argc, argv);
   a.command = JsonSafe(a.command);
   int devices = 0;
@@ -278,8 +312,9 @@ int Main(int argc, char** argv) {
   p.gqa = GqaMode::kMax;
   p.dense_layers = {};
   // A watchdog: a rank lost inside NCCL would hang the others.
-  std::atomic<int64_t> deadline_ms{0};
-  std::thread([&] {
+  // Static: the detached thread reads it until the process exits, past Main.
+  static std::atomic<int64_t> deadline_ms{0};
+  std::thread([] {
     for (;;) {
       std::this_thread::sleep_for(std::chrono::seconds(1));
       const int64_t d = deadline_ms.load();
@@ -321,7 +356,9 @@ int Main(int argc, char** argv) {
                             std::chrono::steady_clock::now().time_since_epoch()).count() +
                         int64_t(a.timeout_s * 1000);
           const std::vector<Status> st =
-              RunRanks(a, ranks, [&](Communicator& comm) { return RankBody(a, g, p, o, seqs, q, comm, &res); });
+              RunRanks(a, ranks, [&](Communicator& comm, Rendezvous& ready) {
+                return RankBody(a, g, p, o, seqs, q, comm, ready, &res);
+              });
           deadline_ms = 0;
           for (const Status& s : st)
             if (!s.ok() && res.error.empty()) res.error = JsonSafe(s.ToString());

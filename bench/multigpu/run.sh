@@ -14,6 +14,10 @@ shift || true
 OUT=${OUT:-/tmp/questkv-mgpu-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Every kernel loaded when a context starts: a kernel lazily loaded at its
+# first launch can wait on the device while a peer rank's NCCL kernel waits
+# for this rank (ranks are threads of one process here).
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 
 WORK=$(mktemp -d)
 for f in "$BIN"/*; do
