@@ -22,7 +22,8 @@ OUT=${OUT:-/tmp/questkv-gpu-out}
 STEPS=${STEPS:-32}
 DISK=${DISK:-/tmp/questkv-disk}
 mkdir -p "$OUT"
-Q="$BIN/questkv run --backend cuda --no-progress --json --token-budget 2048"
+# (No --no-progress: into a log, a phase longer than a minute writes a line a minute.)
+Q="$BIN/questkv run --backend cuda --json --token-budget 2048"
 L3="--preset llama3-8b --context 131072 --steps $STEPS"
 status=0
 one() {  # name, flags...

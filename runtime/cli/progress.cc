@@ -8,7 +8,7 @@ namespace questkv::cli {
 
 Progress::Progress(std::string label, int64_t total, bool enabled)
     : label_(std::move(label)), total_(total > 0 ? total : 1), enabled_(enabled && isatty(STDERR_FILENO)),
-      start_(std::chrono::steady_clock::now()), last_(start_) {}
+      log_(enabled && !enabled_), start_(std::chrono::steady_clock::now()), last_(start_) {}
 
 Progress::~Progress() {
   if (!enabled_) return;
@@ -18,6 +18,15 @@ Progress::~Progress() {
 
 void Progress::Update(int64_t done) {
   done_ = done;
+  if (log_) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_ < std::chrono::seconds(60)) return;
+    last_ = now;
+    std::fprintf(stderr, "%s: %.1f%% after %.0f s\n", label_.c_str(), 100.0 * double(done) / double(total_),
+                 std::chrono::duration<double>(now - start_).count());
+    std::fflush(stderr);
+    return;
+  }
   if (!enabled_) return;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_ < std::chrono::milliseconds(100)) return;

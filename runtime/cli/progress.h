@@ -1,5 +1,8 @@
-// A one-line progress bar on stderr for long phases, drawn only when stderr
-// is a terminal (logs and CI stay clean) and redrawn at most ~10 times a second.
+// A one-line progress bar on stderr for long phases, drawn when stderr is a
+// terminal and redrawn at most ~10 times a second. Into a log (stderr not a
+// terminal) a phase that lasts more than a minute writes one plain line a
+// minute, so a long run cut short shows how far it got; short runs, CI and
+// tests stay silent.
 #pragma once
 
 #include <chrono>
@@ -19,6 +22,7 @@ class Progress {
   std::string label_;
   int64_t total_;
   bool enabled_;
+  bool log_;  // stderr is not a terminal: a plain line a minute
   std::chrono::steady_clock::time_point start_, last_;
   int64_t done_ = 0;
 };
