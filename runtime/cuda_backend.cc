@@ -197,7 +197,7 @@ class CudaBackendImpl final : public CudaBackend {
   Status Upload(void* dev_dst, const void* src, std::size_t bytes);  // via the stage
   Status Sync();
   Status GrowPages(Partition& P, int64_t len);
-  Status GrowList(uint32_t part, int64_t need);
+  Status GrowList(uint32_t part);  // to its last_need
   Status Shrink(uint32_t part, int64_t k);
   Status Reclaim(int64_t want, uint32_t except);
   Status ExtendList(uint32_t part, const std::vector<int32_t>& slots);
@@ -466,13 +466,13 @@ Status CudaBackendImpl::SetPages(uint32_t part, std::span<const PageId> pages) {
   return Status::Ok();
 }
 
-// The list must hold `need` slots. A growing list also borrows up to three
+// The list must hold `last_need` slots. A growing list also borrows up to three
 // times as many more while the pool has them free, so that it grows rarely and
 // caches beyond one step's selection; a list short of free slots takes back
 // what others hold beyond their last step's need, least recently used first.
-Status CudaBackendImpl::GrowList(uint32_t part, int64_t need) {
+Status CudaBackendImpl::GrowList(uint32_t part) {
   Partition& P = parts_[part];
-  P.last_need = need;
+  const int64_t need = P.last_need;
   const int64_t have = int64_t(P.owned.size());
   if (have >= need) return Status::Ok();
   const int64_t add = need - have;
@@ -878,7 +878,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     parts_[s.partitions[b]].last_need = sel_indptr[(b + 1) * H] - sel_indptr[b * H];
   }
   for (int b = 0; b < B; ++b) {
-    if (Status st = GrowList(s.partitions[b], parts_[s.partitions[b]].last_need); !st.ok()) {
+    if (Status st = GrowList(s.partitions[b]); !st.ok()) {
       for (int i = 0; i < B; ++i) parts_[s.partitions[i]].last_need = prev_need[i];  // as before the call
       return st;
     }
@@ -1115,17 +1115,14 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_RETURN_IF_ERROR(enqueue(false));
   }
   clock.Mark(1);  // launches
-  QKV_CUDA(cudaStreamSynchronize(stream_));
+  QKV_RETURN_IF_ERROR(Sync());
   clock.Mark(2);  // waiting for the device
   if (s.host_f32) std::memcpy(s.out, io_ + io.out, qelems * 4);
   int32_t qcounts[2];
   std::memcpy(qcounts, io_ + io.counts, sizeof(qcounts));
-  std::vector<int32_t> sel_pages, sel_count;
-  if (want_sel) {
-    sel_pages.assign(reinterpret_cast<int32_t*>(io_ + io.sel_pages), reinterpret_cast<int32_t*>(io_ + io.sel_pages) + entries);
-    sel_count.assign(reinterpret_cast<int32_t*>(io_ + io.sel_count), reinterpret_cast<int32_t*>(io_ + io.sel_count) + rows);
-  }
-  QKV_RETURN_IF_ERROR(Sync());
+  // Read in place: io_ stays put until the next step.
+  const int32_t* sel_pages = reinterpret_cast<const int32_t*>(io_ + io.sel_pages);
+  const int32_t* sel_count = reinterpret_cast<const int32_t*>(io_ + io.sel_count);
   if (qcounts[1] != 0)
     return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");
 
