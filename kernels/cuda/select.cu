@@ -33,7 +33,7 @@
 namespace questkv::kernels::cuda {
 namespace {
 
-constexpr int kTopKThreads = 1024;
+constexpr int kTopKThreads = 512;
 constexpr int kMaxKeyCache = 47616;  // 192 KiB of keys (with padding) in shared memory
 
 // Per-sequence policy numbers, as select.cc computes them.
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-#pragma unroll 2
+#pragma unroll 4
       for (int c = 0; c < D / 8; ++c) {
         float mn[8], mx[8];
         Load8(lo, c, mn);
@@ -314,11 +314,17 @@ __global__ void __launch_bounds__(Stage<SumT>::kItems) ScoreKernel(SelectParams 
 }
 
 using BlockScan = cub::BlockScan<int, kTopKThreads>;
+constexpr int kShortBins = 2048;
+constexpr int kShortRowMin = 2048;  // keys
 
 struct TopKShared {
-  uint32_t hist[2048];
+  // RadixKth's two digit histograms (bins[0, 256) and bins[256, 512), one
+  // filled while the other is cleared); SelectShortRow's range histogram.
+  uint32_t bins[kShortBins];
+  uint32_t kmax, kmin_inv;
   int pick_bucket;
   int pick_rank;
+  int pick_count;
   int n_cand;
   typename BlockScan::TempStorage scan;
 };
@@ -334,18 +340,25 @@ struct Keys {
   __device__ uint32_t operator()(int i) const { return cache ? cache[CacheSlot(i)] : Key(scores[i]); }
 };
 
-// The k-th largest key among non-skipped candidates (*kth) and how many keys
-// equal to it win (*ties): topk_cpu.cc's three digit levels.
-__device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, uint32_t* kth, int* ties) {
-  const int shifts[3] = {21, 10, 0};
-  const uint32_t masks[3] = {0x7FFu, 0x7FFu, 0x3FFu};
-  uint32_t prefix = 0, high_mask = 0;
+// The k-th largest key among non-skipped candidates (*kth), how many keys
+// equal to it win (*ties) and how many there are (*equal). Four 8-bit digit
+// levels, two barriers each: the block bins the keys that match the prefix
+// so far; warp 0 finds the bucket holding the rank-th largest (8 bins a
+// lane, one warp scan) while the other warps clear the next level's
+// histogram. (topk_cpu.cc uses 11/11/10-bit digits; the k-th key and its
+// tie count do not depend on the split. The former 3-level version with a
+// 2048-bin block scan per level cost ~28 us per block on the H200.)
+__device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, uint32_t* kth, int* ties, int* equal) {
+  uint32_t prefix = 0;
   int rank = r.k;
-  for (int level = 0; level < 3; ++level) {
-    const int shift = shifts[level];
-    const uint32_t mask = masks[level];
-    for (int b = threadIdx.x; b < 2048; b += blockDim.x) sh.hist[b] = 0;
-    __syncthreads();
+  int count = 0;
+  for (int b = threadIdx.x; b < 256; b += blockDim.x) sh.bins[b] = 0;
+  __syncthreads();
+#pragma unroll 1
+  for (int level = 0; level < 4; ++level) {
+    const int shift = 24 - 8 * level;
+    const uint32_t high_mask = level == 0 ? 0u : ~0u << (shift + 8);
+    uint32_t* hist = sh.bins + (level & 1) * 256;
     // Scores cluster in few top-digit buckets: aggregate a warp's equal
     // buckets into one atomic instead of up to 32 serialised ones.
     for (int base = 0; base < r.n; base += blockDim.x) {
@@ -353,41 +366,52 @@ __device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, u
       uint32_t bin = 0xFFFFFFFFu;
       if (i < r.n && !Skipped(r, i)) {
         const uint32_t key = keys(i);
-        if ((key & high_mask) == prefix) bin = (key >> shift) & mask;
+        if ((key & high_mask) == prefix) bin = (key >> shift) & 0xFFu;
       }
       const unsigned same = __match_any_sync(0xFFFFFFFFu, bin);
-      if (bin != 0xFFFFFFFFu && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&sh.hist[bin], __popc(same));
+      if (bin != 0xFFFFFFFFu && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
     }
     __syncthreads();
-    {
-      // The whole block finds the bucket: thread t owns `per` (2 or 1)
-      // consecutive bins from the top (thread 0: the highest), one block scan
-      // of their counts; the thread whose bins hold the rank-th largest key
-      // walks them (was: warp 0 walking 64 bins per lane serially).
-      static_assert(kTopKThreads == 1024, "bins per thread assume 1024 threads");
-      const int per = (int(mask) + 1) / kTopKThreads;
-      const int top = int(mask) - int(threadIdx.x) * per;
-      int sum = 0;
-      for (int t = 0; t < per; ++t) sum += int(sh.hist[top - t]);
-      int incl;
-      BlockScan(sh.scan).InclusiveSum(sum, incl);
+    if (threadIdx.x < 32) {
+      // Lane l owns bins 255 - 8l down to 248 - 8l (lane 0: the highest).
+      const int lane = int(threadIdx.x);
+      const int top = 255 - 8 * lane;
+      int c[8], sum = 0;
+#pragma unroll
+      for (int t = 0; t < 8; ++t) sum += c[t] = int(hist[top - t]);
+      int incl = sum;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= off) incl += v;
+      }
       const int before = incl - sum;
       if (before < rank && rank <= incl) {
-        int rr = rank - before;
-        int b = top;
-        while (int(sh.hist[b]) < rr) rr -= int(sh.hist[b--]);
-        sh.pick_bucket = b;
+        int rr = rank - before, t = 0;
+#pragma unroll
+        for (int u = 0; u < 7; ++u)
+          if (t == u && c[u] < rr) rr -= c[u], t = u + 1;
+        int ct = c[0];
+#pragma unroll
+        for (int u = 1; u < 8; ++u) ct = t == u ? c[u] : ct;
+        sh.pick_bucket = top - t;
         sh.pick_rank = rr;
+        sh.pick_count = ct;
       }
+    } else {
+      uint32_t* next = sh.bins + ((level + 1) & 1) * 256;
+      for (int b = int(threadIdx.x) - 32; b < 256; b += int(blockDim.x) - 32) next[b] = 0;
     }
     __syncthreads();
     prefix |= uint32_t(sh.pick_bucket) << shift;
-    high_mask |= mask << shift;
     rank = sh.pick_rank;
-    __syncthreads();
+    count = sh.pick_count;
   }
+  // Every thread has read pick_* before anyone can write them again (the
+  // next writer passes a barrier first).
   *kth = prefix;
   *ties = rank;
+  *equal = count;
 }
 
 // Visits i in [0, n) in index order, kItems consecutive indices per thread
@@ -422,6 +446,28 @@ __device__ int OrderedPass(int n, TopKShared& sh, Eq eq, Take take, Emit emit) {
     for (int t = 0; t < kItems; ++t)
       if (taken >> t & 1u) emit(i0 + t, out_base + pos++);
     eq_base += e_total;
+    out_base += t_total;
+  }
+  return out_base;
+}
+
+// OrderedPass when no tie needs its rank (every key equal to the k-th wins,
+// or none is compared): one block scan per kItems * blockDim indices.
+template <typename Take, typename Emit>
+__device__ int OrderedPassAll(int n, TopKShared& sh, Take take, Emit emit) {
+  int out_base = 0;
+  for (int c = 0; c < n; c += blockDim.x * kItems) {
+    const int i0 = c + threadIdx.x * kItems;
+    uint32_t taken = 0;
+#pragma unroll
+    for (int t = 0; t < kItems; ++t)
+      if (i0 + t < n && take(i0 + t)) taken |= 1u << t;
+    int pos, t_total;
+    BlockScan(sh.scan).ExclusiveSum(__popc(taken), pos, t_total);
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < kItems; ++t)
+      if (taken >> t & 1u) emit(i0 + t, out_base + pos++);
     out_base += t_total;
   }
   return out_base;
@@ -491,10 +537,124 @@ __global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const
   }
 }
 
+// A row of at most kTopKThreads * kItems keys (load(i): key of scored page
+// i) held in registers, kItems consecutive ones per thread (kMax/kMean): the row's key range, a
+// kShortBins-bin histogram over it, the bin holding the k-th largest key,
+// its keys gathered into `cand` (shared, CacheSlot order; may be where load
+// reads: every key is in registers first) and radix-selected,
+// then one ordered emit. Every pass after the load reads registers; keys
+// spread over the range, so the histogram's atomics rarely collide. Returns
+// the count emitted (block-uniform).
+template <typename Load, typename Emit>
+__device__ int SelectShortRow(Load load, const RowPolicy& r, uint32_t* cand, TopKShared& sh, Emit emit) {
+  const int i0 = int(threadIdx.x) * kItems;
+  uint32_t key[kItems];
+  uint32_t valid = 0, fixed = 0;  // bit t: a scored key / a sink or local page
+#pragma unroll
+  for (int t = 0; t < kItems; ++t) {
+    const int i = i0 + t;
+    key[t] = 0;
+    if (i < r.n) {
+      if (Skipped(r, i)) fixed |= 1u << t;
+      else key[t] = load(i), valid |= 1u << t;
+    }
+  }
+  for (int b = threadIdx.x; b < kShortBins; b += blockDim.x) sh.bins[b] = 0;
+  if (threadIdx.x == 0) sh.kmax = 0, sh.kmin_inv = 0, sh.n_cand = 0;
+  uint32_t kx = 0, kn = 0;
+#pragma unroll
+  for (int t = 0; t < kItems; ++t)
+    if (valid >> t & 1u) kx = max(kx, key[t]), kn = max(kn, ~key[t]);
+  kx = __reduce_max_sync(0xFFFFFFFFu, kx);
+  kn = __reduce_max_sync(0xFFFFFFFFu, kn);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) atomicMax(&sh.kmax, kx), atomicMax(&sh.kmin_inv, kn);
+  __syncthreads();
+  // Bins of 2^shift keys from kmin, at most kShortBins of them (a shift, not
+  // a 64-bit division: that cost ~5 us per block).
+  const uint32_t kmin = ~sh.kmin_inv, span = sh.kmax - kmin;
+  const int shift = max(0, 32 - __clz(int(span)) - 11);  // span >> shift < 2048
+#pragma unroll
+  for (int t = 0; t < kItems; ++t)
+    if (valid >> t & 1u) atomicAdd(&sh.bins[(key[t] - kmin) >> shift], 1u);
+  __syncthreads();
+  {
+    // Thread t owns kPer bins from the top (thread 0: the highest).
+    constexpr int kPer = kShortBins / kTopKThreads;
+    const int top = kShortBins - 1 - int(threadIdx.x) * kPer;
+    int c[kPer], sum = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) sum += c[j] = int(sh.bins[top - j]);
+    int incl;
+    BlockScan(sh.scan).InclusiveSum(sum, incl);
+    const int before = incl - sum;
+    if (before < r.k && r.k <= incl) {
+      int rr = r.k - before, j = 0;
+      while (j < kPer - 1 && c[j] < rr) rr -= c[j++];
+      sh.pick_bucket = top - j;
+      sh.pick_rank = rr;
+    }
+  }
+  __syncthreads();
+  const int pick = sh.pick_bucket;
+#pragma unroll
+  for (int t = 0; t < kItems; ++t)
+    if ((valid >> t & 1u) && int((key[t] - kmin) >> shift) == pick) cand[CacheSlot(atomicAdd(&sh.n_cand, 1))] = key[t];
+  __syncthreads();
+  RowPolicy cr{};
+  cr.n = sh.n_cand;
+  cr.k = sh.pick_rank;
+  uint32_t kth = 0;
+  int ties = 0, equal = 0;
+  RadixKth(Keys{nullptr, cand}, cr, sh, &kth, &ties, &equal);
+  // Emit: fixed pages and keys above the k-th; keys equal to it while their
+  // rank among equals (index order) is below `ties`.
+  uint32_t taken = fixed, eqm = 0;
+#pragma unroll
+  for (int t = 0; t < kItems; ++t)
+    if (valid >> t & 1u) {
+      if (key[t] > kth) taken |= 1u << t;
+      else if (key[t] == kth) eqm |= 1u << t;
+    }
+  if (ties == equal) {
+    taken |= eqm;
+  } else {
+    int e_rank;
+    BlockScan(sh.scan).ExclusiveSum(__popc(eqm), e_rank);
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < kItems; ++t)
+      if (eqm >> t & 1u) {
+        if (e_rank < ties) taken |= 1u << t;
+        ++e_rank;
+      }
+  }
+  int pos, total;
+  BlockScan(sh.scan).ExclusiveSum(__popc(taken), pos, total);
+#pragma unroll
+  for (int t = 0; t < kItems; ++t)
+    if (taken >> t & 1u) emit(i0 + t, pos++);
+  return total;
+}
+
+// After a row's pages are emitted (and a barrier): the HBM slot of each
+// chosen head-page when asked for, one coalesced pass. (Looking the slot up
+// inside the ordered emit serialised two dependent global loads per page
+// and thread: most of a short row's select time on the H200.)
+__device__ __forceinline__ void EmitSlots(const SelectParams& p, const uint32_t* ids, int h, int out0, int count) {
+  if (!p.out_slots) return;
+  for (int j = threadIdx.x; j < count; j += blockDim.x)
+    p.out_slots[out0 + j] = p.hbm_slot[(std::size_t)ids[p.out_pages[out0 + j]] * p.shape.kv_heads + h];
+}
+
 // pick/st non-null (kMax/kMean): HistKernel has found the bin of the k-th
 // key; the block gathers that bin's keys into shared memory and radix-selects
 // among them only.
-__global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int key_cache, float* scores,
+// kCachedMaxMean: only rows whose keys fit the shared cache, kMax/kMean, no
+// bin (the common short-row case, compiled alone: a smaller kernel misses
+// the instruction cache less).
+template <bool kCachedMaxMean>
+__global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, int key_cache, float* scores,
                                                             uint8_t* marks, const RowState* st, const int2* pick) {
   extern __shared__ uint32_t cache[];
   __shared__ TopKShared sh;
@@ -506,23 +666,20 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
   const RowPolicy r = PolicyFor(s, p.page_indptr[b + 1] - first);
   const int out0 = p.out_indptr[row];
   const uint32_t* ids = p.page_ids + first;
-  auto emit = [&](int i, int pos) {
-    p.out_pages[out0 + pos] = i;
-    if (p.out_slots) p.out_slots[out0 + pos] = p.hbm_slot[(std::size_t)ids[i] * s.kv_heads + h];
-  };
+  auto emit = [&](int i, int pos) { p.out_pages[out0 + pos] = i; };
   int count;
   if (r.all) {
     for (int i = threadIdx.x; i < r.n; i += blockDim.x) emit(i, i);
     count = r.n;
   } else if (r.k == 0) {
-    count = OrderedPass(r.n, sh, [](int) { return false; }, [&](int i, int) { return Skipped(r, i); }, emit);
+    count = OrderedPassAll(r.n, sh, [&](int i) { return Skipped(r, i); }, emit);
   } else {
-    const int A = s.gqa == GqaAgg::kUnion ? s.group : 1;
-    const bool cached = r.n <= key_cache;
+    const int A = !kCachedMaxMean && s.gqa == GqaAgg::kUnion ? s.group : 1;
+    const bool cached = kCachedMaxMean || r.n <= key_cache;
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
-    int ties = 0;
-    const bool binned = A == 1 && pick != nullptr;
+    int ties = 0, equal = 0;
+    const bool binned = !kCachedMaxMean && A == 1 && pick != nullptr;
     if (binned) {
       const int2 pk = pick[row];
       const uint32_t kmin = ~st[row].kmin_inv, span = st[row].kmax - kmin;
@@ -555,20 +712,24 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
         RowPolicy cr{};
         cr.n = c;
         cr.k = pk.y;
-        RadixKth(Keys{nullptr, cache}, cr, sh, &kth, &ties);
+        RadixKth(Keys{nullptr, cache}, cr, sh, &kth, &ties, &equal);
       } else {
-        RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties);
+        RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties, &equal);
       }
       __syncthreads();
     }
-    for (int a = 0; a < (binned ? 0 : A); ++a) {
+    // SelectShortRow below; shorter rows are faster through RadixKth alone
+    // (H200: 2048 keys 14.5 us vs 19.6 us; 8192 keys 32 vs 22 us with the
+    // histogram's bins from a 64-bit division).
+    const bool short_row = kCachedMaxMean && r.n > kShortRowMin && r.n <= kTopKThreads * kItems;
+    for (int a = 0; a < (binned || short_row ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
       if (cached) {
         for (int i = threadIdx.x; i < r.n; i += blockDim.x) cache[CacheSlot(i)] = Key(row_scores[i]);
         __syncthreads();
       }
       const Keys keys{row_scores, cached ? cache : nullptr};
-      RadixKth(keys, r, sh, &kth, &ties);
+      RadixKth(keys, r, sh, &kth, &ties, &equal);
       if (A > 1) {
         // kUnion: mark this query head's winners, then emit the union below.
         auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
@@ -577,12 +738,17 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
           const uint32_t key = keys(i);
           return key > kth || (key == kth && eq_rank < ties);
         };
-        OrderedPass(r.n, sh, eq, wins, [&](int i, int) { mark[i] = 1; });
+        auto set = [&](int i, int) { mark[i] = 1; };
+        if (ties == equal) OrderedPassAll(r.n, sh, [&](int i) { return wins(i, 0); }, set);
+        else OrderedPass(r.n, sh, eq, wins, set);
         // (mark is only ever set, never cleared, within this row.)
       }
       __syncthreads();
     }
-    if (A == 1) {
+    if (short_row) {
+      const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
+      count = SelectShortRow([&](int i) { return Key(__ldg(row_scores + i)); }, r, cache, sh, emit);
+    } else if (A == 1) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
       const Keys keys{row_scores, cached && !binned ? cache : nullptr};
       auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
@@ -591,12 +757,15 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(SelectParams p, int k
         const uint32_t key = keys(i);
         return key > kth || (key == kth && eq_rank < ties);
       };
-      count = OrderedPass(r.n, sh, eq, take, emit);
+      count = ties == equal ? OrderedPassAll(r.n, sh, [&](int i) { return take(i, 0); }, emit)
+                            : OrderedPass(r.n, sh, eq, take, emit);
     } else {
       __syncthreads();
-      count = OrderedPass(r.n, sh, [](int) { return false; }, [&](int i, int) { return mark[i] != 0; }, emit);
+      count = OrderedPassAll(r.n, sh, [&](int i) { return mark[i] != 0; }, emit);
     }
   }
+  __syncthreads();  // out_pages written
+  EmitSlots(p, ids, h, out0, count);
   if (threadIdx.x == 0) p.out_count[row] = count;
 }
 
@@ -611,7 +780,7 @@ constexpr int kFuseBlocks = 8;
 constexpr int kFuseMaxPages = 2048;
 
 template <typename QT, typename SumT, int D, int G>
-__global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThreads)
+__global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThreads, 1)
     FusedSelectKernel(SelectParams p) {
   namespace cg = cooperative_groups;
   extern __shared__ uint32_t cache[];
@@ -624,10 +793,7 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
   const RowPolicy r = PolicyFor(s, p.page_indptr[b + 1] - first);
   const int out0 = p.out_indptr[row];
   const uint32_t* ids = p.page_ids + first;
-  auto emit = [&](int i, int pos) {
-    p.out_pages[out0 + pos] = i;
-    if (p.out_slots) p.out_slots[out0 + pos] = p.hbm_slot[(std::size_t)ids[i] * s.kv_heads + h];
-  };
+  auto emit = [&](int i, int pos) { p.out_pages[out0 + pos] = i; };
   cg::cluster_group cluster = cg::this_cluster();
   const unsigned rank = cluster.block_rank();
   if (r.all || r.k == 0) {  // same branch for the whole cluster: no barrier needed
@@ -637,8 +803,10 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
       for (int i = threadIdx.x; i < r.n; i += blockDim.x) emit(i, i);
       count = r.n;
     } else {
-      count = OrderedPass(r.n, sh, [](int) { return false; }, [&](int i, int) { return Skipped(r, i); }, emit);
+      count = OrderedPassAll(r.n, sh, [&](int i) { return Skipped(r, i); }, emit);
     }
+    __syncthreads();
+    EmitSlots(p, ids, h, out0, count);
     if (threadIdx.x == 0) p.out_count[row] = count;
     return;
   }
@@ -704,9 +872,9 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
   cluster.sync();  // every key is in block 0's cache
   if (rank != 0) return;
   uint32_t kth = 0;
-  int ties = 0;
+  int ties = 0, equal = 0;
   const Keys keys{nullptr, cache};
-  RadixKth(keys, r, sh, &kth, &ties);
+  RadixKth(keys, r, sh, &kth, &ties, &equal);
   __syncthreads();
   auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
   auto take = [&](int i, int eq_rank) {
@@ -714,7 +882,10 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
     const uint32_t key = keys(i);
     return key > kth || (key == kth && eq_rank < ties);
   };
-  const int count = OrderedPass(r.n, sh, eq, take, emit);
+  const int count = ties == equal ? OrderedPassAll(r.n, sh, [&](int i) { return take(i, 0); }, emit)
+                                  : OrderedPass(r.n, sh, eq, take, emit);
+  __syncthreads();
+  EmitSlots(p, ids, h, out0, count);
   if (threadIdx.x == 0) p.out_count[row] = count;
 }
 
@@ -839,11 +1010,13 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     }
   }
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
+  const bool common = !s.dense && !unioned && !st && plan.max_pages <= plan.key_cache;
+  auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
   if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(TopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  TopKKernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick);
+  kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick);
   return cudaGetLastError();
 }
 
