@@ -173,28 +173,88 @@ void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunRepo
 }
 
 // Recall, mass recall, error, slack and exact-search cost of one (step, layer).
-Status DiagnoseLayer(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q,
-                     const float* out, const std::vector<PageSelection>& sels, RunReport& r) {
-  const Geometry& g = o.config.geometry;
-  const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
-  for (std::size_t b = 0; b < batch.ids.size(); ++b) {
-    QKV_ASSIGN_OR_RETURN(DenseView view, rt.Gather(batch.ids[b], layer));
-    QKV_ASSIGN_OR_RETURN(std::vector<float> scores, rt.Scores(batch.ids[b], layer, q + b * qstride));
-    QKV_ASSIGN_OR_RETURN(StepDiagnostics d,
-                         Diagnose(g, q + b * qstride, view, sels[b], scores.data(), out + b * qstride, o.top_r));
-    QKV_ASSIGN_OR_RETURN(ExactTopR exact, ExactTopRSearch(g, q + b * qstride, view, scores.data(), o.top_r));
-    const int pages = int((view.tokens + g.page_size - 1) / g.page_size);
-    double read = 0;
-    for (int32_t n : exact.pages_read) read += double(n) / pages;
+// A layer's recall diagnostics: the K/V and Quest scores are gathered now
+// (they change with the next append); the dense scoring and the exact top-R
+// search, seconds of CPU a layer at 128K, run on a worker thread while
+// decoding goes on, at most `Diagnostics::max_inflight` layers at a time
+// (bounded by memory: each holds its gathered K/V).
+struct LayerDiagnostics {
+  double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
+  int sequences = 0;
+};
+
+class Diagnostics {
+ public:
+  explicit Diagnostics(std::size_t view_bytes) {
+    const std::size_t cap = std::size_t(8) << 30;  // gathered K/V in flight
+    const std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
+    max_inflight_ = std::max<std::size_t>(1, std::min(threads, cap / std::max<std::size_t>(view_bytes, 1)));
+  }
+  ~Diagnostics() {
+    for (auto& f : inflight_) f.wait();
+  }
+
+  Status Add(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q, const float* out,
+             const std::vector<PageSelection>& sels, RunReport& r) {
+    const Geometry& g = o.config.geometry;
+    const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
+    const std::size_t B = batch.ids.size();
+    auto views = std::make_shared<std::vector<DenseView>>(B);
+    auto scores = std::make_shared<std::vector<std::vector<float>>>(B);
+    for (std::size_t b = 0; b < B; ++b) {
+      QKV_ASSIGN_OR_RETURN((*views)[b], rt.Gather(batch.ids[b], layer));
+      QKV_ASSIGN_OR_RETURN((*scores)[b], rt.Scores(batch.ids[b], layer, q + b * qstride));
+    }
+    while (inflight_.size() >= max_inflight_) QKV_RETURN_IF_ERROR(Join(r));
+    inflight_.push_back(std::async(
+        std::launch::async, [g, top_r = o.top_r, views, scores, sels, qv = std::vector<float>(q, q + B * qstride),
+                             ov = std::vector<float>(out, out + B * qstride), qstride]() -> Result<LayerDiagnostics> {
+          LayerDiagnostics d;
+          for (std::size_t b = 0; b < views->size(); ++b) {
+            const DenseView& view = (*views)[b];
+            const float* sc = (*scores)[b].data();
+            QKV_ASSIGN_OR_RETURN(StepDiagnostics s,
+                                 Diagnose(g, qv.data() + b * qstride, view, sels[b], sc, ov.data() + b * qstride, top_r));
+            QKV_ASSIGN_OR_RETURN(ExactTopR exact, ExactTopRSearch(g, qv.data() + b * qstride, view, sc, top_r));
+            const int pages = int((view.tokens + g.page_size - 1) / g.page_size);
+            double read = 0;
+            for (int32_t n : exact.pages_read) read += double(n) / pages;
+            d.page_recall += s.page_recall;
+            d.attention_mass_recall += s.attention_mass_recall;
+            d.output_rel_error += s.output_rel_error;
+            d.slack_mean += s.slack_mean;
+            d.read_fraction += read / double(exact.pages_read.size());
+            ++d.sequences;
+          }
+          return d;
+        }));
+    return Status::Ok();
+  }
+
+  // Waits for every layer still in flight and adds it to the report.
+  Status Finish(RunReport& r) {
+    while (!inflight_.empty()) QKV_RETURN_IF_ERROR(Join(r));
+    return Status::Ok();
+  }
+
+ private:
+  Status Join(RunReport& r) {
+    Result<LayerDiagnostics> res = inflight_.front().get();
+    inflight_.pop_front();
+    QKV_RETURN_IF_ERROR(res.status());
+    const LayerDiagnostics& d = *res;
     r.page_recall += d.page_recall;
     r.attention_mass_recall += d.attention_mass_recall;
     r.output_rel_error += d.output_rel_error;
     r.slack_mean += d.slack_mean;
-    r.exact_pages_read_fraction += read / double(exact.pages_read.size());
-    ++r.diagnosed;
+    r.exact_pages_read_fraction += d.read_fraction;
+    r.diagnosed += d.sequences;
+    return Status::Ok();
   }
-  return Status::Ok();
-}
+
+  std::size_t max_inflight_ = 1;
+  std::deque<std::future<Result<LayerDiagnostics>>> inflight_;
+};
 
 Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r, MetricsRegistry* metrics) {
   const Geometry& g = o.config.geometry;
@@ -210,6 +270,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   // Dense attention is timed beside Quest only when every page is in memory.
   const bool in_memory = o.config.disk_dir.empty() && o.config.hbm_bytes == 0 && o.config.host_bytes == 0;
   AttendStats stats;
+  int64_t longest = 0;
+  for (int64_t len : batch.lengths) longest = std::max(longest, len + o.decode_steps);
+  Diagnostics diagnostics(std::size_t(B) * 2 * std::size_t(longest) * row * sizeof(float));
   Progress bar("decode", o.decode_steps, o.progress);
   // The CUDA backend's phases are timed on every 4th step (a timed step is
   // launched directly, not replayed from its graph); the CPU's on all.
@@ -264,7 +327,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       }
       if (diagnose && !o.config.policy.is_dense(layer)) {
         const RunReport::Links before = LinksOf(rt.tier_stats());
-        QKV_RETURN_IF_ERROR(DiagnoseLayer(rt, o, batch, layer, q.data(), out.data(), sels, r));
+        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, layer, q.data(), out.data(), sels, r));
         AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
       }
     }
@@ -279,6 +342,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     r.pages_peak = std::max(r.pages_peak, rt.live_pages());
     bar.Update(step + 1);
   }
+  QKV_RETURN_IF_ERROR(diagnostics.Finish(r));
   r.step_latency_us = Summarise(std::move(step_us));
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
   r.comparison_hits = comparison_hits;
