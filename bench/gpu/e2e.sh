@@ -9,7 +9,7 @@
 #   l3g-all, l3g-2g   the gaussian workload (no locality: the worst case)
 #   l2-8g    Llama-2-7B, 128K (64 GiB of K/V), 8 GiB of HBM
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
-#            HBM budget of 1/8 of the K/V; plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
+#            HBM budget of 1/8 of the K/V (where that holds two steps' selections: >= 32K); plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
 #   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
@@ -58,6 +58,13 @@ for run in $RUNS; do
         fi
         kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16
         one sweep-$ctx-all --preset llama3-8b --context $ctx --steps 16 --recall-every 0
+        # Every layer's list must hold a step's selection (2048 tokens): below
+        # twice that, 1/8 of the K/V cannot run (a clear ResourceExhausted).
+        sel=$((2 * 2048 * 32 * 8 * 128 * 2 * 2))
+        if [ $((kv / 8)) -lt $sel ]; then
+          echo "== e2e sweep-$ctx-8th: skipped, 1/8 of the K/V ($((kv / 8 >> 20)) MiB) < two steps' selections ($((sel >> 20)) MiB)" >&2
+          continue
+        fi
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
       done ;;
     l3-1m-strict | l3-1m-deadline)
