@@ -150,7 +150,13 @@ Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64
 Status TierMover::Prefetch(uint32_t page, bool ahead) {
   const Home& h = homes_[page];
   if (!disk_ || h.host_valid || h.io != Io::kIdle || !disk_->Holds(page, h.generation)) return Status::Ok();
-  if (host_->used() + 1 > high_water_ * host_->capacity()) return Status::Ok();  // no room to spare
+  // A speculative read keeps the host below its high-water mark; a page
+  // already missed (attended without under deadline) may take any free slot,
+  // as Resolve's deadline path does: with the host held just above the mark
+  // by demotions in flight, the high-water rule refused every such promotion
+  // and a 1M-token CUDA run skipped the same third of its selections each step.
+  if (ahead ? host_->used() + 1 > high_water_ * host_->capacity() : host_->used() >= host_->capacity())
+    return Status::Ok();  // no room to spare
   Status s = StartPromotion(page);
   if (s.code() == Code::kResourceExhausted) return Status::Ok();  // queue full: not needed now anyway
   if (s.ok() && ahead) ++stats_.prefetches;

@@ -92,8 +92,8 @@ class TierMover {
   Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
   // A page predicted to be selected soon: if its home is disk and the host
   // has room below its high-water mark, start promoting it (never waits).
-  // `ahead` false: a page already missed (counted as a promotion only, not
-  // as a prefetch).
+  // `ahead` false: a page already missed, promoted into any free host slot
+  // (counted as a promotion only, not as a prefetch).
   Status Prefetch(uint32_t page, bool ahead = true);
   // A page died: frees its host slot and disk copy (waiting for its I/O).
   void Drop(uint32_t page);

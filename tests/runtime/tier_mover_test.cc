@@ -113,6 +113,33 @@ TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
   CheckHomes();
 }
 
+TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
+  // Pages 0..6 take 7 of 8 slots (high water 6); the three coldest (0, 1, 2) go to disk.
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(5 * p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  SealPage(7, 70, 21);
+  SealPage(8, 80, 21);
+  ASSERT_EQ(host_->used(), 6u);  // at the high-water mark
+  ASSERT_TRUE(mover_->Prefetch(0, /*ahead=*/true).ok());
+  EXPECT_EQ(host_->used(), 6u) << "a speculative read went past the high-water mark";
+  ASSERT_TRUE(mover_->Prefetch(0, /*ahead=*/false).ok());
+  EXPECT_EQ(host_->used(), 7u) << "a missed page was not promoted above the high-water mark";
+  ASSERT_TRUE(mover_->Prefetch(1, /*ahead=*/false).ok());
+  EXPECT_EQ(host_->used(), 8u);
+  ASSERT_TRUE(mover_->Prefetch(2, /*ahead=*/false).ok());  // host full: nothing started, no error
+  EXPECT_EQ(host_->used(), 8u);
+  for (uint32_t p : {0u, 1u}) {
+    ASSERT_TRUE(mover_->EnsureHost(p, 1, 22).ok());
+    EXPECT_NE(mover_->HostHome(p), nullptr);
+  }
+  EXPECT_EQ(mover_->stats().promotions, 2);
+  EXPECT_EQ(mover_->stats().prefetches, 0);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   // No disk room: a tiny disk tier.
   mover_.reset();
