@@ -178,7 +178,11 @@ Status TierMover::Pump(int64_t step) {
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
   if (host_->used() > high_water_ * host_->capacity())
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step));
+    // A quarter of the I/O queue stays free for promotions: a full queue of
+    // background writes refused every deadline promotion, step after step,
+    // on a 1M-token run whose host tier sat above its high-water mark.
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step,
+                               disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4)));
   return Status::Ok();
 }
 
@@ -237,7 +241,7 @@ Status TierMover::WaitIdle(uint32_t page) {
 // and Pump demote a queue's worth at a time, and re-sorting a million pages
 // for each would cost more than the writes. Entries are re-checked as they
 // are used; a page selected since the order was made is passed over.
-Status TierMover::Demote(std::size_t target_used, int64_t step) {
+Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_flight) {
   auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
   std::size_t used = host_->used();
   bool queue_full = false;
@@ -267,6 +271,10 @@ Status TierMover::Demote(std::size_t target_used, int64_t step) {
         ++stats_.clean_drops;
         --used;
         continue;
+      }
+      if (disk_->in_flight() >= max_in_flight) {  // the rest next time
+        queue_full = true;
+        break;
       }
       auto ticket = disk_->SubmitWrite(p, h.generation, host_->data(h.host_slot), h.checksum);
       if (!ticket.ok()) {

@@ -123,7 +123,9 @@ class TierMover {
   Status ReapAll(int min_complete);
   Status WaitIdle(uint32_t page);
   Status MakeHostRoom(int64_t step);
-  Status Demote(std::size_t target_used, int64_t step);
+  // Writes stop at `max_in_flight` I/Os in flight (background demotion
+  // leaves room in the queue for promotions).
+  Status Demote(std::size_t target_used, int64_t step, int max_in_flight = INT32_MAX);
   Status StartPromotion(uint32_t page);
   void CopyHeadToSlot(uint32_t page, int head, float* slot);
   void CountHost();

@@ -140,6 +140,28 @@ TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
   CheckHomes();
 }
 
+TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
+  // High water 4, low water 2 of 8 slots; the disk queue holds 4 I/Os.
+  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
+                                       disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(7 * p), 1);
+  for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());  // 0, 1, 2 to disk
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  ASSERT_EQ(mover_->HostHome(0), nullptr);
+  for (uint32_t p = 5; p < 9; ++p) SealPage(p, uint8_t(7 * p), 21);
+  ASSERT_EQ(host_->used(), 6u);
+  ASSERT_TRUE(mover_->Pump(22).ok());  // wants 4 writes; 3 go, one queue slot stays free
+  EXPECT_EQ(disk_->in_flight(), 3);
+  ASSERT_TRUE(mover_->Prefetch(0, /*ahead=*/false).ok());
+  EXPECT_EQ(host_->used(), 7u) << "the missed page found no room in the I/O queue";
+  ASSERT_TRUE(mover_->EnsureHost(0, 1, 23).ok());
+  EXPECT_NE(mover_->HostHome(0), nullptr);
+  ASSERT_TRUE(mover_->Pump(24).ok());
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   // No disk room: a tiny disk tier.
   mover_.reset();
