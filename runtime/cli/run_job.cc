@@ -173,11 +173,12 @@ void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunRepo
 }
 
 // Recall, mass recall, error, slack and exact-search cost of one (step, layer).
-// A layer's recall diagnostics: the K/V and Quest scores are gathered now
-// (they change with the next append); the dense scoring and the exact top-R
-// search, seconds of CPU a layer at 128K, run on a worker thread while
-// decoding goes on, at most `Diagnostics::max_inflight` layers at a time
-// (bounded by memory: each holds its gathered K/V).
+// A diagnosed step's recall diagnostics, after the step (outside its timing;
+// each layer's K/V and summaries stay as they were until its next append):
+// per layer the K/V and Quest scores are gathered, then the dense scoring
+// and the exact top-R search (seconds of CPU a layer at 128K) run on worker
+// threads, at most max_inflight_ layers at a time (bounded by memory: each
+// holds its gathered K/V), all joined before the next step starts.
 struct LayerDiagnostics {
   double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
   int sequences = 0;
@@ -273,6 +274,12 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   int64_t longest = 0;
   for (int64_t len : batch.lengths) longest = std::max(longest, len + o.decode_steps);
   Diagnostics diagnostics(std::size_t(B) * 2 * std::size_t(longest) * row * sizeof(float));
+  struct Deferred {
+    int layer;
+    std::vector<float> q, out;
+    std::vector<PageSelection> sels;
+  };
+  std::vector<Deferred> deferred;
   Progress bar("decode", o.decode_steps, o.progress);
   // The CUDA backend's phases are timed on every 4th step (a timed step is
   // launched directly, not replayed from its graph); the CPU's on all.
@@ -325,11 +332,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
         const int64_t pages = (len + g.page_size - 1) / g.page_size;
         r.dense_offload_bytes += pages * int64_t(g.page_bytes());
       }
-      if (diagnose && !o.config.policy.is_dense(layer)) {
-        const RunReport::Links before = LinksOf(rt.tier_stats());
-        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, layer, q.data(), out.data(), sels, r));
-        AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
-      }
+      if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
     }
     step_us.push_back(step_seconds * 1e6);
     if (metrics) {
@@ -340,9 +343,16 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       metrics->Publish(t);
     }
     r.pages_peak = std::max(r.pages_peak, rt.live_pages());
+    if (!deferred.empty()) {
+      const RunReport::Links before = LinksOf(rt.tier_stats());
+      for (const Deferred& d : deferred)
+        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, d.layer, d.q.data(), d.out.data(), d.sels, r));
+      QKV_RETURN_IF_ERROR(diagnostics.Finish(r));
+      AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
+      deferred.clear();
+    }
     bar.Update(step + 1);
   }
-  QKV_RETURN_IF_ERROR(diagnostics.Finish(r));
   r.step_latency_us = Summarise(std::move(step_us));
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
   r.comparison_hits = comparison_hits;
