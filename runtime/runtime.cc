@@ -199,6 +199,15 @@ struct Runtime::Impl {
                                     int(old_tokens % g.page_size));
   }
 
+  // The sequence an append of n tokens of k, v (host or device) goes to.
+  Result<Sequence*> CheckAppend(SeqId seq, int layer, const void* k, const void* v, int64_t n) {
+    QKV_ASSIGN_OR_RETURN(Sequence * s, Find(seq));
+    QKV_RETURN_IF_ERROR(CheckLayer(layer));
+    if (n < 1) return Status::InvalidArgument("append of " + std::to_string(n) + " tokens");
+    if (!k || !v) return Status::InvalidArgument("null K or V pointer");
+    return s;
+  }
+
   // The CUDA backend's append; the pages it fills are sealed (homed) on return.
   Status AppendCuda(PageList& list, uint32_t partition, const void* k, const void* v, int64_t n, bool host_f32) {
     const int64_t first = list.tokens / g.page_size;
@@ -542,10 +551,7 @@ Status Runtime::Free(SeqId seq) {
 
 Status Runtime::Append(SeqId seq, int layer, const float* k, const float* v, int64_t n) {
   Impl& I = *impl_;
-  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
-  QKV_RETURN_IF_ERROR(I.CheckLayer(layer));
-  if (n < 1) return Status::InvalidArgument("append of " + std::to_string(n) + " tokens");
-  if (!k || !v) return Status::InvalidArgument("null K or V pointer");
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
   PageList& list = s->layers[layer];
   // The page being filled is a private pinned tail: fork and rollback copy.
   assert(list.tokens % I.g.page_size == 0 ||
@@ -557,10 +563,7 @@ Status Runtime::Append(SeqId seq, int layer, const float* k, const float* v, int
 Status Runtime::AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n) {
   Impl& I = *impl_;
   if (!I.cuda) return Status::FailedPrecondition("AppendDevice needs the CUDA backend");
-  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
-  QKV_RETURN_IF_ERROR(I.CheckLayer(layer));
-  if (n < 1) return Status::InvalidArgument("append of " + std::to_string(n) + " tokens");
-  if (!k || !v) return Status::InvalidArgument("null K or V pointer");
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
   return I.AppendCuda(s->layers[layer], s->partitions[layer], k, v, n, /*host_f32=*/false);
 }
 
