@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +35,7 @@
 
 #include "parallel/gpu_decode.h"
 #include "parallel/inprocess_group.h"
+#include "parallel/rendezvous.h"
 #ifdef QUESTKV_HAVE_NCCL
 #include "parallel/nccl_communicator.h"
 #endif
@@ -123,32 +123,12 @@ struct Result1 {
   std::vector<float> o;              // rank 0's last outputs, [batch][Hq][D]
 };
 
-// A host-side meeting of the rank threads: every rank finishes its set-up
-// (device allocations, uploads) before any rank launches a collective. With
-// NCCL, cudaMalloc/cudaFree/cudaMallocHost may wait for every GPU the device
-// has peer access to, so one made while a peer's NCCL kernel waits for this
-// rank would hang both (a collective cannot serve as this meeting).
-class Rendezvous {
- public:
-  explicit Rendezvous(int ranks) : barrier_(ranks) {}
-  // Waits for every rank; true when every rank arrived with ok.
-  bool AllOk(bool ok) {
-    if (!ok) failed_.fetch_add(1);
-    barrier_.arrive_and_wait();
-    return failed_.load() == 0;
-  }
-
- private:
-  std::barrier<> barrier_;
-  std::atomic<int> failed_{0};
-};
-
-using RankFn = std::function<Status(Communicator&, Rendezvous&)>;
+using RankFn = std::function<Status(Communicator&, HostRendezvous&)>;
 
 // Runs body(comm, rendezvous) on one thread per rank and returns the ranks'
 // statuses.
 std::vector<Status> RunRanks(const Args& a, int ranks, const RankFn& body) {
-  Rendezvous ready(ranks);
+  HostRendezvous ready(ranks);
   if (a.comm == "inprocess")
     return InProcessGroup::Create(ranks).value()->Run([&](Communicator& comm) { return body(comm, ready); });
   std::vector<Status> st(ranks);
@@ -177,7 +157,7 @@ std::vector<Status> RunRanks(const Args& a, int ranks, const RankFn& body) {
 // random K/V, a meeting where every rank is ready, warm-up, timed steps.
 Status RankBody(const Args& a, const Geometry& g, const SelectionPolicy& p, const GpuDecodeOptions& o,
                 const std::vector<GpuSequence>& seqs, const std::vector<float>& q, Communicator& comm,
-                Rendezvous& ready, Result1* res) {
+                HostRendezvous& ready, Result1* res) {
   auto made = GpuDecoder::Create(g, p, o, comm.size(), comm.rank(), seqs);
   Status st = made.status();
   if (st.ok()) st = (*made)->FillRandom(0x5eed);
@@ -356,7 +336,7 @@ int Main(int argc, char** argv) {
                             std::chrono::steady_clock::now().time_since_epoch()).count() +
                         int64_t(a.timeout_s * 1000);
           const std::vector<Status> st =
-              RunRanks(a, ranks, [&](Communicator& comm, Rendezvous& ready) {
+              RunRanks(a, ranks, [&](Communicator& comm, HostRendezvous& ready) {
                 return RankBody(a, g, p, o, seqs, q, comm, ready, &res);
               });
           deadline_ms = 0;

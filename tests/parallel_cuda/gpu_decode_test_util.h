@@ -10,8 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -21,6 +19,7 @@
 
 #include "parallel/gpu_decode.h"
 #include "parallel/inprocess_group.h"
+#include "parallel/rendezvous.h"
 #include "tests/kernels_cuda/cuda_test_util.h"
 #include "tests/parallel/parallel_test_util.h"
 
@@ -62,26 +61,6 @@ inline std::vector<Reference> References(const GpuBatch& batch, const SelectionP
     refs.push_back(SingleRank(batch.seqs[b], p, layer, batch.q16.data() + b * per_seq));
   return refs;
 }
-
-// A host-side meeting of the rank threads of one process, for NCCL runs:
-// every rank finishes its set-up (device allocations, uploads, frees of
-// staging memory) before any rank launches its first collective. Those calls
-// may wait for every GPU the device has peer access to, so one made while a
-// peer's NCCL kernel waits for this rank would hang both.
-class HostRendezvous {
- public:
-  explicit HostRendezvous(int ranks) : barrier_(ranks) {}
-  // Waits for every rank; true when every rank arrived with ok.
-  bool AllOk(bool ok) {
-    if (!ok) failed_.fetch_add(1);
-    barrier_.arrive_and_wait();
-    return failed_.load() == 0;
-  }
-
- private:
-  std::barrier<> barrier_;
-  std::atomic<int> failed_{0};
-};
 
 // One rank's part: its decoder, its share of every sequence, one step. With
 // `ready`, the ranks meet there between set-up and the step, and a set-up

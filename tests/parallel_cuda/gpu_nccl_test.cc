@@ -40,7 +40,7 @@ void RunOverNccl(int ranks) {
       for (int layer : {0, 1}) {
         test::GpuRun run;
         run.outs.resize(ranks);
-        test::HostRendezvous ready(ranks);
+        HostRendezvous ready(ranks);
         run.statuses = test::RunOnGpus(ranks, [&](NcclCommunicator& comm) {
           return test::DecodeOnRank(comm, batch, p, o, layer, &run.outs[comm.rank()], &ready);
         });
