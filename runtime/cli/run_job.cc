@@ -71,24 +71,33 @@ Result<Batch> MakeBatch(Runtime& rt, const RunOptions& o) {
   return batch;
 }
 
+// The prefill's appends in order: sequence, layer, then kPrefillChunk tokens
+// at a time.
+struct PrefillChunk {
+  std::size_t b;
+  int layer;
+  int64_t t, n;
+};
+std::vector<PrefillChunk> PrefillChunks(const Batch& batch, int layers, int64_t* tokens) {
+  std::vector<PrefillChunk> chunks;
+  *tokens = 0;
+  for (std::size_t b = 0; b < batch.ids.size(); ++b)
+    for (int layer = 0; layer < layers; ++layer)
+      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk) {
+        chunks.push_back({b, layer, t, std::min(kPrefillChunk, batch.lengths[b] - t)});
+        *tokens += chunks.back().n;
+      }
+  return chunks;
+}
+
 // Chunks are generated on worker threads (the workload is a pure function of
 // its coordinates, so the values do not depend on the threading) and
 // appended in order on this one.
 Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
   const Geometry& g = o.config.geometry;
   const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
-  struct Chunk {
-    std::size_t b;
-    int layer;
-    int64_t t, n;
-  };
-  std::vector<Chunk> chunks;
   int64_t total = 0, done = 0;
-  for (std::size_t b = 0; b < batch.ids.size(); ++b)
-    for (int layer = 0; layer < g.layers; ++layer)
-      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk)
-        chunks.push_back({b, layer, t, std::min(kPrefillChunk, batch.lengths[b] - t)});
-  for (int64_t len : batch.lengths) total += len * g.layers;
+  const std::vector<PrefillChunk> chunks = PrefillChunks(batch, g.layers, &total);
   Progress bar("prefill", total, o.progress);
   struct KV {
     std::vector<float> k, v;
@@ -97,14 +106,14 @@ Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
   std::deque<std::future<KV>> inflight;
   std::size_t next = 0;
   auto launch = [&] {
-    const Chunk c = chunks[next++];
+    const PrefillChunk c = chunks[next++];
     inflight.push_back(std::async(std::launch::async, [&batch, c, row] {
       KV kv{std::vector<float>(c.n * row), std::vector<float>(c.n * row)};
       batch.workloads[c.b].Tokens(c.layer, c.t, c.n, kv.k.data(), kv.v.data());
       return kv;
     }));
   };
-  for (const Chunk& c : chunks) {
+  for (const PrefillChunk& c : chunks) {
     while (next < chunks.size() && inflight.size() < 2 * workers) launch();
     KV kv = inflight.front().get();
     inflight.pop_front();
@@ -143,18 +152,15 @@ Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
     gen.push_back(std::move(dw));
   }
   int64_t total = 0, done = 0;
-  for (int64_t len : batch.lengths) total += len * g.layers;
+  const std::vector<PrefillChunk> chunks = PrefillChunks(batch, g.layers, &total);
   Progress bar("prefill (K/V generated on the GPU)", total, o.progress);
-  for (std::size_t b = 0; b < batch.ids.size(); ++b)
-    for (int layer = 0; layer < g.layers; ++layer)
-      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk) {
-        const int64_t n = std::min(kPrefillChunk, batch.lengths[b] - t);
-        QKV_RETURN_IF_ERROR(gen[b]->Tokens(layer, t, n, d.k, d.v, g.dtype, d.stream));
-        if (const cudaError_t e = cudaStreamSynchronize(d.stream); e != cudaSuccess)
-          return Status::Internal(std::string("prefill generation: ") + cudaGetErrorString(e));
-        QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[b], layer, d.k, d.v, n));
-        bar.Update(done += n);
-      }
+  for (const PrefillChunk& c : chunks) {
+    QKV_RETURN_IF_ERROR(gen[c.b]->Tokens(c.layer, c.t, c.n, d.k, d.v, g.dtype, d.stream));
+    if (const cudaError_t e = cudaStreamSynchronize(d.stream); e != cudaSuccess)
+      return Status::Internal(std::string("prefill generation: ") + cudaGetErrorString(e));
+    QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[c.b], c.layer, d.k, d.v, c.n));
+    bar.Update(done += c.n);
+  }
   return Status::Ok();
 #else
   (void)rt, (void)o, (void)batch;
@@ -172,13 +178,14 @@ void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunRepo
   acc.disk_to_host += after.disk_to_host - before.disk_to_host;
 }
 
-// Recall, mass recall, error, slack and exact-search cost of one (step, layer).
 // A diagnosed step's recall diagnostics, after the step (outside its timing;
 // each layer's K/V and summaries stay as they were until its next append):
 // per layer the K/V and Quest scores are gathered, then the dense scoring
 // and the exact top-R search (seconds of CPU a layer at 128K) run on worker
 // threads, at most max_inflight_ layers at a time (bounded by memory: each
 // holds its gathered K/V), all joined before the next step starts.
+// Recall, mass recall, error, slack and exact-search cost of one (step, layer),
+// summed over its sequences.
 struct LayerDiagnostics {
   double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
   int sequences = 0;
