@@ -108,9 +108,7 @@ Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int he
     ++stats_.cold_misses;
     if (policy_ == ColdMissPolicy::kDeadline) {
       // Start the promotion if there is room now; never wait for it.
-      if (h.io == Io::kIdle && host_->used() < host_->capacity()) {
-        if (Status s = StartPromotion(page); !s.ok() && s.code() != Code::kResourceExhausted) return s;
-      }
+      QKV_RETURN_IF_ERROR(PromoteIfRoom(page).status());
       ++stats_.pages_skipped;
       return HeadSource{nullptr, nullptr, true};
     }
@@ -149,18 +147,24 @@ Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64
 
 Status TierMover::Prefetch(uint32_t page, bool ahead) {
   const Home& h = homes_[page];
-  if (!disk_ || h.host_valid || h.io != Io::kIdle || !disk_->Holds(page, h.generation)) return Status::Ok();
+  if (!disk_ || h.host_valid || !disk_->Holds(page, h.generation)) return Status::Ok();
   // A speculative read keeps the host below its high-water mark; a page
   // already missed (attended without under deadline) may take any free slot,
   // as Resolve's deadline path does: with the host held just above the mark
   // by demotions in flight, the high-water rule refused every such promotion
   // and a 1M-token CUDA run skipped the same third of its selections each step.
-  if (ahead ? host_->used() + 1 > high_water_ * host_->capacity() : host_->used() >= host_->capacity())
-    return Status::Ok();  // no room to spare
+  if (ahead && host_->used() + 1 > high_water_ * host_->capacity()) return Status::Ok();  // no room to spare
+  QKV_ASSIGN_OR_RETURN(const bool started, PromoteIfRoom(page));
+  if (started && ahead) ++stats_.prefetches;
+  return Status::Ok();
+}
+
+Result<bool> TierMover::PromoteIfRoom(uint32_t page) {
+  if (homes_[page].io != Io::kIdle || host_->used() >= host_->capacity()) return false;
   Status s = StartPromotion(page);
-  if (s.code() == Code::kResourceExhausted) return Status::Ok();  // queue full: not needed now anyway
-  if (s.ok() && ahead) ++stats_.prefetches;
-  return s;
+  if (s.code() == Code::kResourceExhausted) return false;  // queue full: a later call tries again
+  QKV_RETURN_IF_ERROR(s);
+  return true;
 }
 
 void TierMover::Drop(uint32_t page) {

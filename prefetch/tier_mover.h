@@ -127,6 +127,9 @@ class TierMover {
   // leaves room in the queue for promotions).
   Status Demote(std::size_t target_used, int64_t step, int max_in_flight = INT32_MAX);
   Status StartPromotion(uint32_t page);
+  // Starts promoting a page whose home is disk if it is idle, a host slot is
+  // free and the I/O queue takes it; never waits. True when started.
+  Result<bool> PromoteIfRoom(uint32_t page);
   void CopyHeadToSlot(uint32_t page, int head, float* slot);
   void CountHost();
   void SetHostValid(uint32_t page, bool valid);
