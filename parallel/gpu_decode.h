@@ -2,8 +2,8 @@
 // sequences (issue #6), the device counterpart of ContextParallel and
 // HeadParallel. Each rank owns one CUDA device (rank r: device r % devices,
 // unless options name one; several ranks may share a device) and holds its
-// shard of the layer's pages there: K/V head-page slots in f16 and f32
-// summaries built from them on the device.
+// shard of the layer's pages there: K/V head-page slots in f16 and f16
+// summaries built from them on the device (exact: min and max of f16 keys).
 //
 //   kContext: the rank holds the pages ShardPages gives it, every KV head.
 //     Per step it ranks its own pages with kernels::cuda::LaunchSelect over

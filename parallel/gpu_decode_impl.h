@@ -146,7 +146,7 @@ struct GpuDecoder::Impl {
   std::vector<int32_t> local_global;   // [local pages] global page of each, ascending per sequence
   gpu_decode::PoolShape pool;
   Buffer<__half> slots;                // [local pages][heads][2][S][D]
-  Buffer<float> summaries;             // [local pages + 1 (kContext's dummy)][heads][2][D]
+  Buffer<__half> summaries;            // [local pages + 1 (kContext's dummy)][heads][2][D], exact (keys are f16)
   Buffer<int32_t> lens;                // [local pages] valid tokens
   Buffer<int64_t> page_keys;           // [local pages] FillRandom's key: sequence << 32 | page
   Buffer<int32_t> page_indptr, hbm_slot, last_len;  // kHead's page table: identity ids and slots

@@ -82,7 +82,7 @@ kc::SelectParams GpuDecoder::Impl::SelectArgs(LayerPlan& lp, const float* q, con
   kc::SelectParams sp;
   sp.shape = lp.select_shape;
   sp.q_dtype = kc::DType::kF32;
-  sp.summary_dtype = kc::DType::kF32;
+  sp.summary_dtype = kc::DType::kF16;
   sp.q = q;
   sp.summaries = summaries.get();
   sp.page_indptr = lists_indptr;

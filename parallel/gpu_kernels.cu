@@ -40,7 +40,8 @@ __global__ void FillRandomKernel(PoolShape s, const int64_t* page_keys, uint64_t
   }
 }
 
-__global__ void SummaryKernel(PoolShape s, const __half* slots, const int32_t* lens, float* summaries) {
+// Min and max of f16 keys are f16 values: the f16 summaries hold them exactly.
+__global__ void SummaryKernel(PoolShape s, const __half* slots, const int32_t* lens, __half* summaries) {
   const int64_t n = s.pages * s.heads * s.head_dim;
   const int64_t head_page = int64_t(2) * s.page_size * s.head_dim;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -54,52 +55,53 @@ __global__ void SummaryKernel(PoolShape s, const __half* slots, const int32_t* l
       lo = v < lo ? v : lo;
       hi = v > hi ? v : hi;
     }
-    float* out = summaries + slot * 2 * s.head_dim + d;
-    out[0] = lo;
-    out[s.head_dim] = hi;
+    __half* out = summaries + slot * 2 * s.head_dim + d;
+    out[0] = __float2half_rn(lo);
+    out[s.head_dim] = __float2half_rn(hi);
   }
 }
 
-// ScorePagesCpu's PageBound: eight partial sums over j ≡ l (mod 8), added in
-// order, then the dimensions past the last multiple of eight.
-__device__ float PageBound(const float* q, const float* lo, const float* hi, int head_dim) {
-  float acc[8] = {};
-  int j = 0;
-  for (; j + 8 <= head_dim; j += 8)
-    for (int l = 0; l < 8; ++l) {
-      const float a = __fmul_rn(q[j + l], lo[j + l]);
-      const float b = __fmul_rn(q[j + l], hi[j + l]);
-      acc[l] = __fadd_rn(acc[l], a > b ? a : b);
-    }
-  float sum = 0.f;
-  for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[l]);
-  for (; j < head_dim; ++j) {
-    const float a = __fmul_rn(q[j], lo[j]);
-    const float b = __fmul_rn(q[j], hi[j]);
-    sum = __fadd_rn(sum, a > b ? a : b);
-  }
-  return sum;
-}
-
+// One warp per candidate. Lane l + 8 * u keeps ScorePagesCpu's partial sum
+// l (dimensions j ≡ l mod 8, in order) of query heads u, u + 4, ...; lane u*8
+// adds its 8 sums in order, and the heads are aggregated in order: the CPU's
+// float arithmetic and order (PageBound, then AggregateGroupScores), so the
+// scores equal LaunchSelect's bit for bit. head_dim is a multiple of 8.
+constexpr int kHeadsPerPass = 4;  // 32 lanes / 8 partial sums
 __global__ void CandidateKernel(CandidateParams p) {
+  const int lane = int(threadIdx.x & 31), l = lane & 7, u = lane >> 3;
   const int64_t n = int64_t(p.rows) * p.k;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; i < n; i += warps) {
     const int row = int(i / p.k), j = int(i % p.k);
     DeviceCandidate c{-INFINITY, -1};
-    if (j < p.sel_count[row] - 1) {  // the last chosen entry is the dummy
+    if (j < p.sel_count[row] - 1) {  // the last chosen entry is the dummy (warp-uniform)
       const int b = row / p.kv_heads, h = row % p.kv_heads;
       const int entry = p.page_indptr[b] + p.sel_pages[p.sel_indptr[row] + j];
-      const float* lo = p.summaries + (int64_t(p.page_ids[entry]) * p.kv_heads + h) * 2 * p.head_dim;
+      const __half* lo = p.summaries + (int64_t(p.page_ids[entry]) * p.kv_heads + h) * 2 * p.head_dim;
+      const __half* hi = lo + p.head_dim;
       const float* q = p.q + int64_t(row) * p.group * p.head_dim;
-      float agg = PageBound(q, lo, lo + p.head_dim, p.head_dim);
-      for (int g = 1; g < p.group; ++g) {
-        const float s = PageBound(q + int64_t(g) * p.head_dim, lo, lo + p.head_dim, p.head_dim);
-        agg = p.mean ? __fadd_rn(agg, s) : (agg < s ? s : agg);
+      float agg = 0.f;
+      for (int g0 = 0; g0 < p.group; g0 += kHeadsPerPass) {
+        const int g = g0 + u;
+        float acc = 0.f;
+        if (g < p.group)
+          for (int d = l; d < p.head_dim; d += 8) {
+            const float qd = q[int64_t(g) * p.head_dim + d];
+            const float a = __fmul_rn(qd, __half2float(lo[d]));
+            const float e = __fmul_rn(qd, __half2float(hi[d]));
+            acc = __fadd_rn(acc, a > e ? a : e);
+          }
+        for (int t = 0; t < kHeadsPerPass && g0 + t < p.group; ++t) {
+          float sum = 0.f;  // head g0 + t's bound: its 8 partial sums in order
+          for (int m = 0; m < 8; ++m) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, acc, t * 8 + m));
+          if (g0 + t == 0) agg = sum;
+          else agg = p.mean ? __fadd_rn(agg, sum) : (agg < sum ? sum : agg);
+        }
       }
       if (p.mean) agg = __fdiv_rn(agg, float(p.group));
       c = {agg, p.global_page[entry]};
     }
-    p.out[p.row_offset[row] + j] = c;
+    if (lane == 0) p.out[p.row_offset[row] + j] = c;
   }
 }
 
@@ -113,18 +115,20 @@ cudaError_t LaunchFillRandom(const PoolShape& s, const int64_t* page_keys, uint6
   return cudaGetLastError();
 }
 
-cudaError_t LaunchBuildSummaries(const PoolShape& s, const void* slots, const int32_t* lens, float* summaries,
+cudaError_t LaunchBuildSummaries(const PoolShape& s, const void* slots, const int32_t* lens, void* summaries,
                                  cudaStream_t stream) {
   const int64_t n = s.pages * s.heads * s.head_dim;
   if (n == 0) return cudaSuccess;
-  SummaryKernel<<<Blocks(n), kThreads, 0, stream>>>(s, static_cast<const __half*>(slots), lens, summaries);
+  SummaryKernel<<<Blocks(n), kThreads, 0, stream>>>(s, static_cast<const __half*>(slots), lens,
+                                                   static_cast<__half*>(summaries));
   return cudaGetLastError();
 }
 
 cudaError_t LaunchCandidateScores(const CandidateParams& p, cudaStream_t stream) {
   const int64_t n = int64_t(p.rows) * p.k;
   if (n == 0) return cudaSuccess;
-  CandidateKernel<<<Blocks(n), kThreads, 0, stream>>>(p);
+  if (p.head_dim % 8 != 0) return cudaErrorInvalidValue;
+  CandidateKernel<<<Blocks(n * 32), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -9,6 +9,7 @@
 // local head h) is slot p * heads + h, [2 (K,V)][S][D] f16.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -30,9 +31,10 @@ struct PoolShape {
 cudaError_t LaunchFillRandom(const PoolShape& s, const int64_t* page_keys, uint64_t seed, void* slots,
                              cudaStream_t stream);
 
-// summaries [p][heads][2 (min,max)][D] f32 := min and max of the first
-// lens[p] keys of each head-page, compared as FoldKey (kernels/cpu) does.
-cudaError_t LaunchBuildSummaries(const PoolShape& s, const void* slots, const int32_t* lens, float* summaries,
+// summaries [p][heads][2 (min,max)][D] f16 := min and max of the first
+// lens[p] keys of each head-page, compared as FoldKey (kernels/cpu) does;
+// exact, as the keys are f16.
+cudaError_t LaunchBuildSummaries(const PoolShape& s, const void* slots, const int32_t* lens, void* summaries,
                                  cudaStream_t stream);
 
 // Same layout as PageCandidate (parallel/global_topk.h).
@@ -46,6 +48,7 @@ struct DeviceCandidate {
 // out[row_offset[row] + j], j < k := (U_p, global page) of the row's j-th
 // chosen entry, scores computed as ScorePagesCpu and aggregated as
 // AggregateGroupScores (max or mean, bit for bit); (-inf, -1) past the last.
+// One warp per candidate; cudaErrorInvalidValue when head_dim % 8 != 0.
 struct CandidateParams {
   int rows = 0;  // LaunchSelect's batch * kv_heads
   int kv_heads = 0;
@@ -54,7 +57,7 @@ struct CandidateParams {
   int k = 0;
   bool mean = false;                    // kMean, else kMax (group 1 for kUnion)
   const float* q = nullptr;             // [batch][kv_heads * group][D], LaunchSelect's q
-  const float* summaries = nullptr;     // [PageId][kv_heads][2][D]
+  const __half* summaries = nullptr;    // [PageId][kv_heads][2][D]
   const int32_t* page_indptr = nullptr; // [batch + 1] LaunchSelect's
   const uint32_t* page_ids = nullptr;   // LaunchSelect's
   const int32_t* global_page = nullptr; // [page_indptr[batch]] global page of each listed page
