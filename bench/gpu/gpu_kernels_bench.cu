@@ -7,6 +7,8 @@
 // Each timed call follows a 512 MiB L2-flushing memset (untimed); figures are
 // medians of --reps calls after warm-up. Writes JSON lines to --json and
 // prints a table last. Inputs are fresh hash-random numbers (never zeros).
+//   usage: questkv_gpu_kernels_bench [--json FILE] [--reps N]
+//          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b]]
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -321,8 +323,14 @@ int main(int argc, char** argv) {
   const char* json = "gpu_kernels_bench.json";
   int reps = 20;
   bool select_only = false;
+  std::vector<long long> select_contexts = {8192, 32768, 131072};
+  std::string select_geo;  // empty: every geometry
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--select-only")) select_only = true;
+    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) {  // --select-only's, comma-separated
+      select_contexts.clear();
+      for (char* t = std::strtok(argv[++i], ","); t; t = std::strtok(nullptr, ",")) select_contexts.push_back(std::atoll(t));
+    } else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // --select-only's
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
   }
@@ -337,7 +345,8 @@ int main(int argc, char** argv) {
   if (select_only) {  // quick A/B of select: no dense pools, no attention sweep
     for (const Geo& g : kGeos)
       for (int batch : {1, 16})
-        for (long long ctx : {8192LL, 32768LL, 131072LL}) {
+        for (long long ctx : select_contexts) {
+          if (!select_geo.empty() && select_geo != g.name) continue;
           const StepResult r = BenchStep(tm, g, batch, ctx, 2048, reps, false);
           std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f\n", g.name, batch, ctx,
                       r.select_us, r.attend_us, r.step_us);
