@@ -58,4 +58,18 @@ __device__ __forceinline__ void Unpack16(const uint4& raw, float* out) {
 
 __device__ __forceinline__ uint4 Load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
+// Asynchronous 16-byte global -> shared copies (cp.async, L1 bypassed): with
+// `valid` false, the 16 bytes are zero-filled and `src` is not read.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+// Closes the group of the copies issued since the last commit.
+__device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` committed groups of this thread are in flight.
+template <int kPending>
+__device__ __forceinline__ void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 }  // namespace questkv::kernels::cuda

@@ -2,8 +2,9 @@
 //  1. ScoreKernel: U_p(q) for every (page, KV head) of every scored sequence,
 //     one thread per head-page keeping 8 partial sums (dimensions j ≡ l mod 8)
 //     added in order at the end: the CPU twin's (score_cpu.cc) float
-//     arithmetic and summation order, so scores match it bit for bit. The
-//     summaries are staged through shared memory with coalesced 16-byte loads.
+//     arithmetic and summation order, so scores match it bit for bit. Each
+//     warp copies its 32 head-pages' summaries into its own double-buffered
+//     shared tile with cp.async (coalesced 16-byte pieces).
 //     The G query heads of a group share each summary read; kMax/kMean
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
@@ -12,11 +13,13 @@
 //     histogram of the row's keys over [min, max] in global memory; the row's
 //     last block finds the bin that holds the k-th largest key.
 //  3. TopKKernel: one block per row: gathers the keys of that bin and radix
-//     selects among them (11 + 11 + 10 bits, topk_cpu.cc's digits) the k-th
-//     key and how many keys equal to it win, then one ordered pass emits
-//     sink ∪ local ∪ winners ascending; keys equal to the k-th win in index
-//     order. kUnion runs the radix select per query head over the whole row
-//     and ORs the winners into a byte mask first.
+//     selects among them (four 8-bit digits) the k-th key and how many keys
+//     equal to it win, then one ordered pass emits sink ∪ local ∪ winners
+//     ascending; keys equal to the k-th win in index order. Rows held in its
+//     shared key cache find the k-th key the same way in one block (a range
+//     histogram, then the bin's keys), or by the radix select alone when
+//     short. kUnion selects per query head over the whole row and ORs the
+//     winners into a byte mask first.
 //  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, all rows'
 //  clusters in one wave): 1-3 in one launch, a cluster of 8 blocks per row scoring
 //  into the first block's shared key cache, which then selects and emits.
@@ -74,25 +77,10 @@ struct RowState {
 };
 constexpr int kBins = 2048;  // histogram bins over [kmin, kmax]
 
-// Monotone bin of a key in [kmin, kmin + span]: keys in a higher bin are larger.
-__device__ __forceinline__ int BinOf(uint32_t key, uint32_t kmin, uint32_t span) {
-  return int((uint64_t(key - kmin) * kBins) / (uint64_t(span) + 1));
-}
-
-// Summary staging: a block of kItems threads, one head-page each, loads
-// kPhaseChunks chunks of 8 dimensions (min and max) of all its head-pages
-// into shared memory with 16-byte loads, consecutive threads reading
-// consecutive pieces of a head-page, then each thread scores its own
-// head-page from shared memory (rows padded by 16 bytes: no bank conflicts).
-constexpr int kPhaseChunks = 4;
-template <typename SumT>
-struct Stage {
-  static constexpr int kItems = sizeof(SumT) == 4 ? 128 : 256;
-  static constexpr int kEP = 16 / sizeof(SumT);             // elements per 16-byte piece
-  static constexpr int kLoPieces = kPhaseChunks * 8 / kEP;  // pieces of min per head-page per phase
-  static constexpr int kPieces = 2 * kLoPieces;
-  static constexpr int kStride = kPieces * 16 + 16;
-};
+// Keys in [kmin, kmin + span] fall in bins of 2^shift keys from kmin, at most
+// kBins of them: bin = (key - kmin) >> shift, monotone in the key. (A shift,
+// not a 64-bit division: that cost ~40 us per 64K keys in one block.)
+__device__ __forceinline__ int RangeShift(uint32_t span) { return max(0, 32 - __clz(int(span)) - 11); }
 
 template <typename T>
 __device__ __forceinline__ void Smem8(const unsigned char* row, int first_piece, float* out) {
@@ -172,155 +160,142 @@ __device__ __forceinline__ float StoreScores(const SelectShape& s, float* scores
   return agg;
 }
 
-// Wide groups (G >= 4): one thread per head-page reading its summary
-// directly with 16-byte loads (enough arithmetic per byte to hide the
-// uncoalesced reads better than the staged kernel, measured).
-template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
+// The score kernel's warp-private tiles: per phase, 8 pieces of 16 bytes of
+// a head-page's min and the same 8 of its max (kPhaseDims dimensions), for
+// the warp's 32 head-pages; rows padded by 16 bytes (an odd number of pieces
+// apart: no bank conflicts when each lane reads its own row).
+template <typename SumT>
+struct Tile {
+  static constexpr int kEP = 16 / sizeof(SumT);  // elements per piece
+  static constexpr int kPhaseDims = 8 * kEP;
+  static constexpr int kStride = 16 * 16 + 16;   // bytes per head-page row
+  static constexpr int kBytes = 32 * kStride;    // one buffer of one warp
+};
+constexpr int kScoreWarps = 2;        // per block: 2 x 2 buffers x 8.5 KiB, static shared memory
+constexpr int kScoreBlocksPerSm = 6;  // as many as an SM's shared memory holds
+
+// Where item `item` (= page_indptr[b] * Hkv + h * n + i, also the kMax/kMean
+// score's offset) lives: off = its summary's first element, -1 when there is
+// nothing to score (past the end, or a row choosing every page).
+struct ItemRef {
+  long long off = -1;
+  int b = 0, first = 0, n = 1, h = 0, i = 0;
+  bool valid = false;
+};
+__device__ __forceinline__ ItemRef Locate(const SelectParams& p, long long item, long long items, int D) {
   const SelectShape& s = p.shape;
-  const int Hkv = s.kv_heads;
-  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
-  const QT* q_all = static_cast<const QT*>(p.q);
-  const SumT* slab = static_cast<const SumT*>(p.summaries);
-  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < items;
-       base += (long long)gridDim.x * blockDim.x) {
-    const long long item = base + (threadIdx.x & 31);
-    bool valid = item < items;
-    int b = 0, first = 0, n = 1, h = 0, i = 0;
-    if (valid) {
-      int hi_b = s.batch;
-      while (hi_b - b > 1) {
-        const int mid = (b + hi_b) / 2;
-        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
-      }
-      first = p.page_indptr[b];
-      n = p.page_indptr[b + 1] - first;
-      valid = !PolicyFor(s, n).all;
-      const long long rem = item - (long long)first * Hkv;
-      h = int(rem / n);
-      i = int(rem % n);
-    }
-    float agg = 0.f;
-    if (valid) {
-      const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
-      const SumT* hi = lo + D;
-      const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
-      float acc[G][8];
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < D / 8; ++c) {
-        float mn[8], mx[8];
-        Load8(lo, c, mn);
-        Load8(hi, c, mx);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float qv[8];
-          Load8(q + g * D, c, qv);
-          FoldChunk8(acc[g], qv, mn, mx);
-        }
-      }
-      float score[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
-      agg = StoreScores<G>(s, scores, item, first, n, h, i, score);
-    }
-    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
+  ItemRef r;
+  if (item >= items) return r;
+  int hi_b = s.batch;
+  while (hi_b - r.b > 1) {
+    const int mid = (r.b + hi_b) / 2;
+    if ((long long)p.page_indptr[mid] * s.kv_heads <= item) r.b = mid; else hi_b = mid;
   }
+  r.first = p.page_indptr[r.b];
+  r.n = p.page_indptr[r.b + 1] - r.first;
+  r.valid = !PolicyFor(s, r.n).all;
+  const long long rem = item - (long long)r.first * s.kv_heads;
+  r.h = int(rem / r.n);
+  r.i = int(rem % r.n);
+  if (r.valid) r.off = ((long long)p.page_ids[r.first + r.i] * s.kv_heads + r.h) * 2 * D;
+  return r;
 }
 
-// Narrow groups (G <= 2), staged: one thread per (sequence, KV head, page), pages fastest; the thread walks
-// its summary in chunks of 8 dimensions, which are exactly one element of
-// each of the CPU's 8 partial sums, so acc[g][l] sees the CPU's sequence of
-// additions. With `st`, also folds each scored key into its row's min/max
-// (warp-reduced per row, then one atomic per row and warp).
+// ScoreKernel: U_p(q) of every head-page, one lane per head-page, each warp
+// taking 32 consecutive items at a time. The summaries come through the
+// warp's own double-buffered tile: cp.async copies of the next phase (this
+// group's, or the next group's first) are in flight while the lanes score
+// the current one, and each copy instruction reads two head-pages' 256
+// contiguous bytes (one thread per head-page reading its own 16 bytes at a
+// time touched 32 lines per load: 40% of DRAM bandwidth on the H200). The
+// lane walks its summary in chunks of 8 dimensions, exactly one element of
+// each of the CPU's 8 partial sums, so acc[g][l] sees ScorePagesCpu's
+// additions in its order; the G query heads of a group share each read.
+// With `st`, each scored key is also folded into its row's key range. No
+// block barrier: a warp's loop is its own.
 template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(Stage<SumT>::kItems) ScoreKernel(SelectParams p, float* scores, RowState* st) {
-  using St = Stage<SumT>;
-  __shared__ __align__(16) unsigned char tile[St::kItems * St::kStride];
-  __shared__ long long off[St::kItems];
+__global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, float* scores, RowState* st) {
+  using T = Tile<SumT>;
+  constexpr int kPhases = D / T::kPhaseDims;
+  __shared__ __align__(16) unsigned char tiles[kScoreWarps][2][T::kBytes];
+  const int lane = int(threadIdx.x & 31), warp = int(threadIdx.x >> 5);
   const SelectShape& s = p.shape;
-  const int Hkv = s.kv_heads;
-  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
+  const long long items = (long long)p.page_indptr[s.batch] * s.kv_heads;
+  const long long step = (long long)gridDim.x * kScoreWarps * 32;
+  long long base = ((long long)blockIdx.x * kScoreWarps + warp) * 32;
+  if (base >= items) return;  // warp-uniform
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
-  for (long long t0 = blockIdx.x * (long long)St::kItems; t0 < items; t0 += (long long)gridDim.x * St::kItems) {
-    // item = page_indptr[b] * Hkv + h * n + i: also the kMax/kMean output offset.
-    const long long item = t0 + threadIdx.x;
-    bool valid = item < items;
-    int b = 0, first = 0, n = 1, h = 0, i = 0;
-    if (valid) {
-      int hi_b = s.batch;
-      while (hi_b - b > 1) {
-        const int mid = (b + hi_b) / 2;
-        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
-      }
-      first = p.page_indptr[b];
-      n = p.page_indptr[b + 1] - first;
-      valid = !PolicyFor(s, n).all;
-      const long long rem = item - (long long)first * Hkv;
-      h = int(rem / n);
-      i = int(rem % n);
+  // Copies phase ph of the 32 head-pages whose lanes hold `it` into `dst`:
+  // lanes 0-15 one head-page's 16 pieces (8 of min, 8 of max), 16-31 the next's.
+  auto issue = [&](const ItemRef& it, int ph, unsigned char* dst) {
+    const int piece = lane & 15;
+    const long long elem = (piece >> 3) * D + ph * T::kPhaseDims + (piece & 7) * T::kEP;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const int j = 2 * m + (lane >> 4);
+      const long long off = __shfl_sync(0xFFFFFFFFu, it.off, j);
+      CopyAsync16(dst + j * T::kStride + piece * 16, slab + (off < 0 ? 0 : off + elem), off >= 0);
     }
-    off[threadIdx.x] = valid ? ((long long)p.page_ids[first + i] * Hkv + h) * 2 * D : -1;
-    const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
+    CommitCopies();
+  };
+  ItemRef cur = Locate(p, base + lane, items, D), next;
+  int nb = 0;  // the buffer being scored
+  issue(cur, 0, tiles[warp][0]);
+  for (;;) {
+    const bool more = base + step < items;  // warp-uniform
+    if (more) next = Locate(p, base + step + lane, items, D);
+    const QT* q = q_all + ((std::size_t)cur.b * s.kv_heads * G + (std::size_t)cur.h * G) * D;
     float acc[G][8];
 #pragma unroll
     for (int g = 0; g < G; ++g)
 #pragma unroll
       for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-    for (int ph = 0; ph < D / 8 / kPhaseChunks; ++ph) {
-      __syncthreads();  // off[] written; the previous phase's tile consumed
-      uint4 v[St::kPieces];
 #pragma unroll
-      for (int j = 0; j < St::kPieces; ++j) {
-        const int piece = j * St::kItems + threadIdx.x;
-        const long long o = off[piece / St::kPieces];
-        const int sub = piece % St::kPieces;
-        if (o >= 0)
-          v[j] = Load16(slab + o + (sub / St::kLoPieces) * D + ph * kPhaseChunks * 8 + (sub % St::kLoPieces) * St::kEP);
-      }
+    for (int ph = 0; ph < kPhases; ++ph) {
+      if (ph + 1 < kPhases) issue(cur, ph + 1, tiles[warp][nb ^ 1]);
+      else if (more) issue(next, 0, tiles[warp][nb ^ 1]);
+      if (ph + 1 < kPhases || more) WaitCopies<1>();
+      else WaitCopies<0>();
+      __syncwarp();
+      if (cur.valid) {
+        const unsigned char* row = tiles[warp][nb] + lane * T::kStride;
 #pragma unroll
-      for (int j = 0; j < St::kPieces; ++j) {
-        const int piece = j * St::kItems + threadIdx.x;
-        if (off[piece / St::kPieces] >= 0)
-          *reinterpret_cast<uint4*>(tile + (piece / St::kPieces) * St::kStride + (piece % St::kPieces) * 16) = v[j];
-      }
-      __syncthreads();
-      if (valid) {
-        const unsigned char* row = tile + threadIdx.x * St::kStride;
-#pragma unroll
-        for (int c = 0; c < kPhaseChunks; ++c) {
+        for (int c = 0; c < T::kPhaseDims / 8; ++c) {
           float mn[8], mx[8];
-          Smem8<SumT>(row, c * (8 / St::kEP), mn);
-          Smem8<SumT>(row, St::kLoPieces + c * (8 / St::kEP), mx);
+          Smem8<SumT>(row, c * (8 / T::kEP), mn);
+          Smem8<SumT>(row, 8 + c * (8 / T::kEP), mx);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             float qv[8];
-            Load8(q + g * D, ph * kPhaseChunks + c, qv);
+            Load8(q + g * D, ph * (T::kPhaseDims / 8) + c, qv);
             FoldChunk8(acc[g], qv, mn, mx);
           }
         }
       }
+      __syncwarp();  // every lane is done with this buffer before it is refilled
+      nb ^= 1;
     }
     float score[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
-    const float agg = valid ? StoreScores<G>(s, scores, item, first, n, h, i, score) : 0.f;
-    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
+    const float agg = cur.valid ? StoreScores<G>(s, scores, base + lane, cur.first, cur.n, cur.h, cur.i, score) : 0.f;
+    if (st) FoldKeyRange(st, cur.valid && !Skipped(PolicyFor(s, cur.n), cur.i), cur.b * s.kv_heads + cur.h, Key(agg));
+    if (!more) break;
+    base += step;
+    cur = next;
   }
 }
 
 using BlockScan = cub::BlockScan<int, kTopKThreads>;
-constexpr int kShortBins = 2048;
-constexpr int kShortRowMin = 2048;  // keys
+constexpr int kShortRowMin = 2048;  // keys; longer rows find their k-th key through a range histogram
+constexpr int kCandCap = 2048;      // keys of the k-th key's bin that RangeKth gathers
 
 struct TopKShared {
   // RadixKth's two digit histograms (bins[0, 256) and bins[256, 512), one
-  // filled while the other is cleared); SelectShortRow's range histogram.
-  uint32_t bins[kShortBins];
+  // filled while the other is cleared); the range histogram of
+  // SelectShortRow and RangeKth.
+  uint32_t bins[kBins];
   uint32_t kmax, kmin_inv;
   int pick_bucket;
   int pick_rank;
@@ -496,7 +471,8 @@ __global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const
   for (int i = threadIdx.x; i < kBins; i += kHistThreads) hist[i] = 0;
   __syncthreads();
   const float* rs = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
-  const uint32_t kmin = ~st[row].kmin_inv, span = st[row].kmax - kmin;
+  const uint32_t kmin = ~st[row].kmin_inv;
+  const int shift = RangeShift(st[row].kmax - kmin);
   float x[kHistPer];
 #pragma unroll
   for (int t = 0; t < kHistPer; ++t) {
@@ -506,7 +482,7 @@ __global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const
 #pragma unroll
   for (int t = 0; t < kHistPer; ++t) {
     const int i = c0 + t * kHistThreads + threadIdx.x;
-    if (i < r.n && !Skipped(r, i)) atomicAdd(&hist[BinOf(Key(x[t]), kmin, span)], 1u);
+    if (i < r.n && !Skipped(r, i)) atomicAdd(&hist[(Key(x[t]) - kmin) >> shift], 1u);
   }
   __syncthreads();
   uint32_t* gh = ghist + (std::size_t)row * kBins;
@@ -537,9 +513,65 @@ __global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const
   }
 }
 
+// With a range histogram of a row's scored keys in sh.bins: the bin holding
+// the k-th largest key (sh.pick_bucket), the rank of that key within the bin
+// (sh.pick_rank) and the bin's count (sh.pick_count). Read after a barrier.
+__device__ void PickRangeBin(TopKShared& sh, int k) {
+  // Thread t owns kPer bins from the top (thread 0: the highest).
+  constexpr int kPer = kBins / kTopKThreads;
+  const int top = kBins - 1 - int(threadIdx.x) * kPer;
+  int c[kPer], sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sum += c[j] = int(sh.bins[top - j]);
+  int incl;
+  BlockScan(sh.scan).InclusiveSum(sum, incl);
+  const int before = incl - sum;
+  if (before < k && k <= incl) {
+    int rr = k - before, j = 0;
+    while (j < kPer - 1 && c[j] < rr) rr -= c[j++];
+    sh.pick_bucket = top - j;
+    sh.pick_rank = rr;
+    sh.pick_count = c[j];
+  }
+}
+
+// The k-th largest scored key of a row held in `cache` (CacheSlot order),
+// whose scored keys lie in [kmin, kmin + span], and its ties as RadixKth
+// gives them: a kBins-bin histogram over the range, the bin holding the
+// k-th key, that bin's keys gathered into `cand` and radix-selected there
+// (every key equal to the k-th is in its bin). Two plain passes over the row
+// instead of RadixKth's four digit levels, which cost ~100 us a block at 32K
+// keys (scores share their top digits, so the levels' warp-aggregated
+// atomics serialise). False, with nothing decided, when the bin holds more
+// than kCandCap keys. Block-uniform; r.k >= 1.
+__device__ bool RangeKth(const uint32_t* cache, const RowPolicy& r, uint32_t kmin, uint32_t span, TopKShared& sh,
+                         uint32_t* cand, uint32_t* kth, int* ties, int* equal) {
+  const int shift = RangeShift(span);
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh.bins[b] = 0;
+  if (threadIdx.x == 0) sh.n_cand = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < r.n; i += blockDim.x)
+    if (!Skipped(r, i)) atomicAdd(&sh.bins[(cache[CacheSlot(i)] - kmin) >> shift], 1u);
+  __syncthreads();
+  PickRangeBin(sh, r.k);
+  __syncthreads();
+  const int pick = sh.pick_bucket;
+  RowPolicy cr{};
+  cr.k = sh.pick_rank;
+  if (sh.pick_count > kCandCap) return false;
+  for (int i = threadIdx.x; i < r.n; i += blockDim.x) {
+    const uint32_t key = cache[CacheSlot(i)];
+    if (!Skipped(r, i) && int((key - kmin) >> shift) == pick) cand[CacheSlot(atomicAdd(&sh.n_cand, 1))] = key;
+  }
+  __syncthreads();
+  cr.n = sh.n_cand;
+  RadixKth(Keys{nullptr, cand}, cr, sh, kth, ties, equal);
+  return true;
+}
+
 // A row of at most kTopKThreads * kItems keys (load(i): key of scored page
 // i) held in registers, kItems consecutive ones per thread (kMax/kMean): the row's key range, a
-// kShortBins-bin histogram over it, the bin holding the k-th largest key,
+// kBins-bin histogram over it, the bin holding the k-th largest key,
 // its keys gathered into `cand` (shared, CacheSlot order; may be where load
 // reads: every key is in registers first) and radix-selected,
 // then one ordered emit. Every pass after the load reads registers; keys
@@ -559,7 +591,7 @@ __device__ int SelectShortRow(Load load, const RowPolicy& r, uint32_t* cand, Top
       else key[t] = load(i), valid |= 1u << t;
     }
   }
-  for (int b = threadIdx.x; b < kShortBins; b += blockDim.x) sh.bins[b] = 0;
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh.bins[b] = 0;
   if (threadIdx.x == 0) sh.kmax = 0, sh.kmin_inv = 0, sh.n_cand = 0;
   uint32_t kx = 0, kn = 0;
 #pragma unroll
@@ -570,31 +602,13 @@ __device__ int SelectShortRow(Load load, const RowPolicy& r, uint32_t* cand, Top
   __syncthreads();
   if ((threadIdx.x & 31) == 0) atomicMax(&sh.kmax, kx), atomicMax(&sh.kmin_inv, kn);
   __syncthreads();
-  // Bins of 2^shift keys from kmin, at most kShortBins of them (a shift, not
-  // a 64-bit division: that cost ~5 us per block).
-  const uint32_t kmin = ~sh.kmin_inv, span = sh.kmax - kmin;
-  const int shift = max(0, 32 - __clz(int(span)) - 11);  // span >> shift < 2048
+  const uint32_t kmin = ~sh.kmin_inv;
+  const int shift = RangeShift(sh.kmax - kmin);
 #pragma unroll
   for (int t = 0; t < kItems; ++t)
     if (valid >> t & 1u) atomicAdd(&sh.bins[(key[t] - kmin) >> shift], 1u);
   __syncthreads();
-  {
-    // Thread t owns kPer bins from the top (thread 0: the highest).
-    constexpr int kPer = kShortBins / kTopKThreads;
-    const int top = kShortBins - 1 - int(threadIdx.x) * kPer;
-    int c[kPer], sum = 0;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) sum += c[j] = int(sh.bins[top - j]);
-    int incl;
-    BlockScan(sh.scan).InclusiveSum(sum, incl);
-    const int before = incl - sum;
-    if (before < r.k && r.k <= incl) {
-      int rr = r.k - before, j = 0;
-      while (j < kPer - 1 && c[j] < rr) rr -= c[j++];
-      sh.pick_bucket = top - j;
-      sh.pick_rank = rr;
-    }
-  }
+  PickRangeBin(sh, r.k);
   __syncthreads();
   const int pick = sh.pick_bucket;
 #pragma unroll
@@ -658,6 +672,7 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
                                                             uint8_t* marks, const RowState* st, const int2* pick) {
   extern __shared__ uint32_t cache[];
   __shared__ TopKShared sh;
+  __shared__ uint32_t cand[kCandCap + kCandCap / 32 + 1];  // RangeKth's
   const SelectShape& s = p.shape;
   const int row = blockIdx.x;
   const int b = row / s.kv_heads;
@@ -682,7 +697,8 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     const bool binned = !kCachedMaxMean && A == 1 && pick != nullptr;
     if (binned) {
       const int2 pk = pick[row];
-      const uint32_t kmin = ~st[row].kmin_inv, span = st[row].kmax - kmin;
+      const uint32_t kmin = ~st[row].kmin_inv;
+      const int shift = RangeShift(st[row].kmax - kmin);
       const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
       if (threadIdx.x == 0) sh.n_cand = 0;
       __syncthreads();
@@ -699,7 +715,7 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
           const int i = c0 + t * kTopKThreads + threadIdx.x;
           if (i < r.n && !Skipped(r, i)) {
             const uint32_t key = Key(x[t]);
-            if (BinOf(key, kmin, span) == pk.x) {
+            if (int((key - kmin) >> shift) == pk.x) {
               const int j = atomicAdd(&sh.n_cand, 1);
               if (j < key_cache) cache[CacheSlot(j)] = key;
             }
@@ -724,12 +740,29 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     const bool short_row = kCachedMaxMean && r.n > kShortRowMin && r.n <= kTopKThreads * kItems;
     for (int a = 0; a < (binned || short_row ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
+      bool decided = false;
       if (cached) {
-        for (int i = threadIdx.x; i < r.n; i += blockDim.x) cache[CacheSlot(i)] = Key(row_scores[i]);
+        // Long rows: their key range too, for RangeKth.
+        const bool ranged = r.n > kShortRowMin;
+        if (threadIdx.x == 0) sh.kmax = 0, sh.kmin_inv = 0;
         __syncthreads();
+        uint32_t kx = 0, kn = 0;
+        for (int i = threadIdx.x; i < r.n; i += blockDim.x) {
+          const uint32_t key = Key(row_scores[i]);
+          cache[CacheSlot(i)] = key;
+          if (!Skipped(r, i)) kx = max(kx, key), kn = max(kn, ~key);
+        }
+        if (ranged) {
+          kx = __reduce_max_sync(0xFFFFFFFFu, kx);
+          kn = __reduce_max_sync(0xFFFFFFFFu, kn);
+          if ((threadIdx.x & 31) == 0) atomicMax(&sh.kmax, kx), atomicMax(&sh.kmin_inv, kn);
+        }
+        __syncthreads();
+        if (ranged)
+          decided = RangeKth(cache, r, ~sh.kmin_inv, sh.kmax - ~sh.kmin_inv, sh, cand, &kth, &ties, &equal);
       }
       const Keys keys{row_scores, cached ? cache : nullptr};
-      RadixKth(keys, r, sh, &kth, &ties, &equal);
+      if (!decided) RadixKth(keys, r, sh, &kth, &ties, &equal);
       if (A > 1) {
         // kUnion: mark this query head's winners, then emit the union below.
         auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
@@ -772,7 +805,7 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
 // Few short rows (kMax/kMean, G <= 4, <= kFuseMaxPages pages, one cluster per
 // row fitting in one wave): one launch. A cluster of kFuseBlocks blocks per
 // row scores the row's pages (G threads per page, one query head each, with
-// ScoreKernelDirect's arithmetic) and writes each key straight into
+// ScoreKernel's arithmetic) and writes each key straight into
 // the shared key cache of the cluster's first block (distributed shared
 // memory); after one cluster barrier that block radix-selects over the cached
 // keys and emits the row, as TopKKernel does. No score workspace, no memset.
@@ -941,7 +974,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
                           (A == 1 ? AlignUp(rows * (sizeof(RowState) + kBins * sizeof(uint32_t))) +
                                         AlignUp(rows * sizeof(int2))
                                   : 0);
-  plan->score_blocks = std::max(1, num_sms) * 8;
+  plan->score_blocks = std::max(1, num_sms) * kScoreBlocksPerSm;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
   return true;
 }
@@ -951,7 +984,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   const int rows = s.batch * s.kv_heads;
   if (!s.dense && s.gqa != GqaAgg::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
       plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
-      rows * kFuseBlocks <= std::max(1, plan.score_blocks / 8)) {  // one wave (score_blocks = 8 x SMs)
+      rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm)) {  // one wave: a cluster block per SM
     const std::size_t smem = std::size_t(plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
     const dim3 grid(kFuseBlocks, rows);
     QKV_DISPATCH_DTYPE(p.q_dtype, T, {
@@ -989,16 +1022,9 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
-            if constexpr (G <= 2) {
-              constexpr int kItems = Stage<SumT>::kItems;
-              const long long tiles = (std::max<long long>(head_pages, 1) + kItems - 1) / kItems;
-              const int blocks = int(std::min<long long>(plan.score_blocks, tiles));
-              ScoreKernel<QT, SumT, D, G><<<blocks, kItems, 0, stream>>>(p, scores, st);
-            } else {
-              const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
-              const int blocks = int(std::min<long long>(plan.score_blocks, need));
-              ScoreKernelDirect<QT, SumT, D, G><<<blocks, 256, 0, stream>>>(p, scores, st);
-            }
+            const long long groups = (std::max<long long>(head_pages, 1) + 31) / 32;
+            const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
+            ScoreKernel<QT, SumT, D, G><<<blocks, kScoreWarps * 32, 0, stream>>>(p, scores, st);
           })
         })
       })
