@@ -27,6 +27,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <mutex>
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -1038,10 +1039,22 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
   const bool common = !s.dense && !unioned && !st && plan.max_pages <= plan.key_cache;
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) return e;
-  }
+  // Once per device, both top-K kernels may take the largest key cache: the
+  // default limit (48 KiB) counts their static shared memory (~19 KiB) too.
+  constexpr int kMaxDevices = 64;
+  static std::once_flag allowed[kMaxDevices];
+  static cudaError_t allow_error[kMaxDevices] = {};
+  int dev = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(allowed[dev], [dev] {
+    constexpr int kMaxSmem = (kMaxKeyCache + kMaxKeyCache / 32 + 1) * sizeof(uint32_t);
+    for (auto k : {TopKKernel<true>, TopKKernel<false>})
+      if (const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+          e != cudaSuccess)
+        allow_error[dev] = e;
+  });
+  if (allow_error[dev] != cudaSuccess) return allow_error[dev];
   kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick);
   return cudaGetLastError();
 }
