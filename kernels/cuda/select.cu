@@ -2,9 +2,11 @@
 //  1. ScoreKernel: U_p(q) for every (page, KV head) of every scored sequence,
 //     one thread per head-page keeping 8 partial sums (dimensions j ≡ l mod 8)
 //     added in order at the end: the CPU twin's (score_cpu.cc) float
-//     arithmetic and summation order, so scores match it bit for bit. Each
-//     warp copies its 32 head-pages' summaries into its own double-buffered
-//     shared tile with cp.async (coalesced 16-byte pieces).
+//     arithmetic and summation order, so scores match it bit for bit. G <= 2:
+//     each warp copies its 32 head-pages' summaries into its own
+//     double-buffered shared tile with cp.async (coalesced 16-byte pieces);
+//     G >= 4 (ScoreKernelDirect): each thread reads its own summary, the
+//     arithmetic per byte hiding the scattered loads.
 //     The G query heads of a group share each summary read; kMax/kMean
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
@@ -202,7 +204,7 @@ __device__ __forceinline__ ItemRef Locate(const SelectParams& p, long long item,
   return r;
 }
 
-// ScoreKernel: U_p(q) of every head-page, one lane per head-page, each warp
+// ScoreKernel (G <= 2): U_p(q) of every head-page, one lane per head-page, each warp
 // taking 32 consecutive items at a time. The summaries come through the
 // warp's own double-buffered tile: cp.async copies of the next phase (this
 // group's, or the next group's first) are in flight while the lanes score
@@ -285,6 +287,65 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
     if (!more) break;
     base += step;
     cur = next;
+  }
+}
+
+// Wide groups (G >= 4): one thread per head-page reading its summary
+// directly with 16-byte loads (enough arithmetic per byte to hide the
+// uncoalesced reads better than the staged kernel, measured).
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
+  const SelectShape& s = p.shape;
+  const int Hkv = s.kv_heads;
+  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const SumT* slab = static_cast<const SumT*>(p.summaries);
+  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < items;
+       base += (long long)gridDim.x * blockDim.x) {
+    const long long item = base + (threadIdx.x & 31);
+    bool valid = item < items;
+    int b = 0, first = 0, n = 1, h = 0, i = 0;
+    if (valid) {
+      int hi_b = s.batch;
+      while (hi_b - b > 1) {
+        const int mid = (b + hi_b) / 2;
+        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
+      }
+      first = p.page_indptr[b];
+      n = p.page_indptr[b + 1] - first;
+      valid = !PolicyFor(s, n).all;
+      const long long rem = item - (long long)first * Hkv;
+      h = int(rem / n);
+      i = int(rem % n);
+    }
+    float agg = 0.f;
+    if (valid) {
+      const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
+      const SumT* hi = lo + D;
+      const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
+      float acc[G][8];
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+#pragma unroll 4
+      for (int c = 0; c < D / 8; ++c) {
+        float mn[8], mx[8];
+        Load8(lo, c, mn);
+        Load8(hi, c, mx);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float qv[8];
+          Load8(q + g * D, c, qv);
+          FoldChunk8(acc[g], qv, mn, mx);
+        }
+      }
+      float score[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
+      agg = StoreScores<G>(s, scores, item, first, n, h, i, score);
+    }
+    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
   }
 }
 
@@ -1023,9 +1084,15 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
-            const long long groups = (std::max<long long>(head_pages, 1) + 31) / 32;
-            const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
-            ScoreKernel<QT, SumT, D, G><<<blocks, kScoreWarps * 32, 0, stream>>>(p, scores, st);
+            if constexpr (G <= 2) {
+              const long long groups = (std::max<long long>(head_pages, 1) + 31) / 32;
+              const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
+              ScoreKernel<QT, SumT, D, G><<<blocks, kScoreWarps * 32, 0, stream>>>(p, scores, st);
+            } else {
+              const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
+              const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
+              ScoreKernelDirect<QT, SumT, D, G><<<blocks, 256, 0, stream>>>(p, scores, st);
+            }
           })
         })
       })
