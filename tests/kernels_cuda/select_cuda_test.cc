@@ -217,7 +217,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // 128K, many equal scores with kMean, and a budget above half the row.
                       SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8192},
                       SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 5000},
-                      SelectCase{3, 1, 1, 128, 16, 2049, GqaAgg::kMax, F32, F32, true, false, 4099}));
+                      SelectCase{3, 1, 1, 128, 16, 2049, GqaAgg::kMax, F32, F32, true, false, 4099},
+                      // Rows in the key cache past 8192 keys (RangeKth), with ties; G = 4 at
+                      // 256K+ head-pages (the staged score kernel).
+                      SelectCase{1, 2, 4, 64, 16, 700, GqaAgg::kMean, F32, F32, true, false, 20000},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 32768}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
