@@ -9,7 +9,10 @@
 //               one; the host slot is freed once the write completed and its
 //               checksum held; a page whose disk copy exists leaves for free
 //   promote     disk -> host, for a cold miss: `strict` waits for it,
-//               `deadline` skips the page this step and lets it land later
+//               `deadline` skips the page this step and lets it land later;
+//               a missed page whose read cannot start yet (no free host
+//               slot, a full I/O queue) waits in a queue that Pump serves,
+//               oldest first, before background demotions take the queue
 //
 // Sealed pages are immutable, so every copy is clean and nothing is ever
 // written back from hbm more than once. The CPU backend drives this from the
@@ -19,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -93,12 +97,16 @@ class TierMover {
   // A page predicted to be selected soon: if its home is disk and the host
   // has room below its high-water mark, start promoting it (never waits).
   // `ahead` false: a page already missed, promoted into any free host slot
-  // (counted as a promotion only, not as a prefetch).
+  // (counted as a promotion only, not as a prefetch), or queued for Pump
+  // when its read cannot start now.
   Status Prefetch(uint32_t page, bool ahead = true);
   // A page died: frees its host slot and disk copy (waiting for its I/O).
   void Drop(uint32_t page);
-  // Reaps finished I/O and starts demotions past the high-water mark.
+  // Reaps finished I/O, starts the queued promotions that now have room, then
+  // demotions past the high-water mark.
   Status Pump(int64_t step);
+  // Missed pages waiting for their promotion to start.
+  std::size_t pending_promotions() const { return pending_.size(); }
   // The caller is done with every pointer Resolve returned so far: host slots
   // read in place may be demoted again.
   void EndReads() { ++read_epoch_; }
@@ -117,6 +125,7 @@ class TierMover {
     int64_t pinned_epoch = -1; // read in place from the host slot during this epoch
     uint32_t uses = 0;
     uint64_t checksum = 0;    // PageChecksum at seal time
+    bool pending = false;     // in pending_, waiting for its promotion to start
     Status error;             // last failed read, surfaced to strict waiters
   };
   Status Complete(const DiskCompletion& c);
@@ -130,6 +139,10 @@ class TierMover {
   // Starts promoting a page whose home is disk if it is idle, a host slot is
   // free and the I/O queue takes it; never waits. True when started.
   Result<bool> PromoteIfRoom(uint32_t page);
+  // A missed page: PromoteIfRoom, or into pending_ when its read cannot start.
+  Status PromoteOrQueue(uint32_t page);
+  // Starts pending_'s promotions, oldest first, while there is room.
+  Status StartPending();
   void CopyHeadToSlot(uint32_t page, int head, float* slot);
   void CountHost();
   void SetHostValid(uint32_t page, bool valid);
@@ -143,6 +156,7 @@ class TierMover {
   std::vector<Home> homes_;  // [max_pages]
   std::vector<DiskCompletion> done_;
   std::vector<uint32_t> order_;  // demotion candidates, coldest first (Demote)
+  std::deque<std::pair<uint32_t, uint32_t>> pending_;  // (page, generation), oldest first
   std::size_t order_pos_ = 0;
   int64_t order_step_ = -1;
   MoverStats stats_;

@@ -162,6 +162,51 @@ TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
   CheckHomes();
 }
 
+TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
+  // High water 4, low water 2 of 8 slots; the disk queue holds 4 I/Os.
+  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
+                                       disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(9 * p), 1);
+  for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());  // 0, 1, 2 to disk
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  for (uint32_t p = 5; p < 9; ++p) {
+    SealPage(p, uint8_t(9 * p), 21);
+    mover_->NoteSelected(p, 30);
+  }
+  ASSERT_TRUE(mover_->Pump(22).ok());  // 3 and 4 written (5..8 are selected since): two queue slots free
+  ASSERT_EQ(disk_->in_flight(), 2);
+  // Step 22 misses 0, 1 and 2: 0 and 1 take the free queue slots, 2 waits.
+  for (uint32_t p : {0u, 1u, 2u}) {
+    mover_->NoteSelected(p, 40);  // the hottest pages: host pressure demotes 5..8 first
+    ASSERT_TRUE(mover_->Prefetch(p, /*ahead=*/false).ok());
+  }
+  EXPECT_EQ(disk_->in_flight(), 4);
+  EXPECT_EQ(mover_->pending_promotions(), 1u);
+  // The next decode call's Pump starts it, without its being missed again.
+  ASSERT_TRUE(mover_->Pump(23).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 0u);
+  ASSERT_TRUE(mover_->Pump(24).ok());
+  for (uint32_t p : {0u, 1u, 2u}) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p << " was not promoted";
+  EXPECT_EQ(mover_->stats().promotions, 3);
+  for (uint32_t p : {3u, 4u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  CheckHomes();
+  // A queued page dropped before its turn is passed over.
+  mover_->NoteSelected(3, 40);
+  ASSERT_TRUE(mover_->Prefetch(3, /*ahead=*/false).ok());
+  ASSERT_TRUE(mover_->Prefetch(4, /*ahead=*/false).ok());
+  ASSERT_EQ(mover_->pending_promotions(), 1u);  // 3 started, 4 waits
+  mover_->Drop(4);
+  truth_.erase(4);
+  ASSERT_TRUE(mover_->Pump(25).ok());
+  ASSERT_TRUE(mover_->Pump(26).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 0u);
+  EXPECT_EQ(mover_->HostHome(4), nullptr);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   // No disk room: a tiny disk tier.
   mover_.reset();
