@@ -22,10 +22,14 @@
 //     histogram, then the bin's keys), or by the radix select alone when
 //     short. kUnion selects per query head over the whole row and ORs the
 //     winners into a byte mask first.
+//  4. Rows of more than kLongRowMin keys (kMax/kMean): TopKKernel only finds
+//     each row's k-th key (2 + 3); EmitCountKernel and EmitKernel then emit
+//     the row in order over chunks of keys, many blocks per row.
 //  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, all rows'
 //  clusters in one wave): 1-3 in one launch, a cluster of 8 blocks per row scoring
 //  into the first block's shared key cache, which then selects and emits.
 #include <cooperative_groups.h>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -730,9 +734,13 @@ __device__ __forceinline__ void EmitSlots(const SelectParams& p, const uint32_t*
 // kCachedMaxMean: only rows whose keys fit the shared cache, kMax/kMean, no
 // bin (the common short-row case, compiled alone: a smaller kernel misses
 // the instruction cache less).
+// row_kth non-null (long rows): the binned rows' k-th key, ties and equal
+// count go to row_kth[row] = (kth, ties, equal, 1) for EmitCountKernel and
+// EmitKernel to emit across many blocks; rows emitted here get w = 0.
 template <bool kCachedMaxMean>
 __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, int key_cache, float* scores,
-                                                            uint8_t* marks, const RowState* st, const int2* pick) {
+                                                            uint8_t* marks, const RowState* st, const int2* pick,
+                                                            int4* row_kth) {
   extern __shared__ uint32_t cache[];
   __shared__ TopKShared sh;
   __shared__ uint32_t cand[kCandCap + kCandCap / 32 + 1];  // RangeKth's
@@ -796,6 +804,10 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
         RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties, &equal);
       }
       __syncthreads();
+      if (row_kth) {  // block-uniform: the emit is EmitKernel's
+        if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
+        return;
+      }
     }
     // SelectShortRow below; shorter rows are faster through RadixKth alone
     // (H200: 2048 keys 14.5 us vs 19.6 us; 8192 keys 32 vs 22 us with the
@@ -863,6 +875,138 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
   __syncthreads();  // out_pages written
   EmitSlots(p, ids, h, out0, count);
   if (threadIdx.x == 0) p.out_count[row] = count;
+  if (row_kth && threadIdx.x == 0) row_kth[row].w = 0;
+}
+
+// Long rows (kMax/kMean, rows of more than kLongRowMin keys in the batch):
+// once TopKKernel has found each row's k-th key, the ordered emit runs over
+// chunks of kEmitChunk keys in many blocks instead of one block per row
+// (which took ~50-65 us on rows of 32K-64K keys on the H200).
+// EmitCountKernel counts each chunk's winners other than the keys equal to
+// the k-th (keys above it, sink and local pages) and its keys equal to the
+// k-th; EmitKernel adds up the chunks before its own (equal keys win in
+// index order while their rank is below `ties`) and emits its chunk in
+// order. Grid (chunks, rows) for both.
+constexpr int kEmitThreads = 256;
+constexpr int kEmitItems = 16;
+constexpr int kEmitChunk = kEmitThreads * kEmitItems;
+constexpr int kLongRowMin = 16384;  // keys; longer rows take HistKernel + the chunked emit
+using EmitScan = cub::BlockScan<int, kEmitThreads>;
+
+struct EmitRow {
+  RowPolicy r;
+  const float* scores;  // the row's
+  int out0;
+};
+__device__ __forceinline__ EmitRow EmitRowOf(const SelectParams& p, const float* scores, int row) {
+  const SelectShape& s = p.shape;
+  const int b = row / s.kv_heads, h = row % s.kv_heads;
+  const int first = p.page_indptr[b];
+  EmitRow e;
+  e.r = PolicyFor(s, p.page_indptr[b + 1] - first);
+  e.scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * e.r.n;
+  e.out0 = p.out_indptr[row];
+  return e;
+}
+
+__global__ void __launch_bounds__(kEmitThreads) EmitCountKernel(SelectParams p, const float* scores,
+                                                                const int4* row_kth, int2* counts) {
+  __shared__ typename cub::BlockReduce<int, kEmitThreads>::TempStorage red;
+  const int row = blockIdx.y;
+  const int4 rk = row_kth[row];
+  if (rk.w != 1) return;
+  const EmitRow e = EmitRowOf(p, scores, row);
+  const int c0 = blockIdx.x * kEmitChunk;
+  int above = 0, equal = 0;
+  for (int t = 0; t < kEmitItems; ++t) {
+    const int i = c0 + t * kEmitThreads + int(threadIdx.x);
+    if (i >= e.r.n) break;
+    if (Skipped(e.r, i)) {
+      ++above;
+      continue;
+    }
+    const uint32_t key = Key(__ldg(e.scores + i));
+    above += key > uint32_t(rk.x) ? 1 : 0;
+    equal += key == uint32_t(rk.x) ? 1 : 0;
+  }
+  const int a = cub::BlockReduce<int, kEmitThreads>(red).Sum(above);
+  __syncthreads();
+  const int q = cub::BlockReduce<int, kEmitThreads>(red).Sum(equal);
+  if (threadIdx.x == 0) counts[(std::size_t)row * gridDim.x + blockIdx.x] = make_int2(a, q);
+}
+
+__global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const float* scores, const int4* row_kth,
+                                                           const int2* counts) {
+  __shared__ typename EmitScan::TempStorage scan;
+  __shared__ int base_out, base_eq, total_out;
+  const int row = blockIdx.y;
+  const int4 rk = row_kth[row];
+  if (rk.w != 1) return;
+  const EmitRow e = EmitRowOf(p, scores, row);
+  const int c0 = blockIdx.x * kEmitChunk;
+  const int last_chunk = (e.r.n - 1) / kEmitChunk;
+  if (int(blockIdx.x) > last_chunk) return;
+  const uint32_t kth = uint32_t(rk.x);
+  const int ties = rk.y;
+  if (threadIdx.x == 0) {
+    int out = 0, eq = 0, eq_run = 0, all = 0;
+    for (int c = 0; c <= last_chunk; ++c) {
+      const int2 v = counts[(std::size_t)row * gridDim.x + c];
+      const int won = v.x + min(max(ties - eq_run, 0), v.y);
+      if (c < int(blockIdx.x)) out += won, eq += v.y;
+      eq_run += v.y;
+      all += won;
+    }
+    base_out = out;
+    base_eq = eq;
+    total_out = all;
+  }
+  __syncthreads();
+  // kEmitItems consecutive keys a thread.
+  const int i0 = c0 + int(threadIdx.x) * kEmitItems;
+  uint32_t fixed = 0, above = 0, eqm = 0;
+#pragma unroll
+  for (int t = 0; t < kEmitItems; ++t) {
+    const int i = i0 + t;
+    if (i >= e.r.n) break;
+    if (Skipped(e.r, i)) {
+      fixed |= 1u << t;
+      continue;
+    }
+    const uint32_t key = Key(__ldg(e.scores + i));
+    if (key > kth) above |= 1u << t;
+    else if (key == kth) eqm |= 1u << t;
+  }
+  uint32_t taken = fixed | above;
+  if (ties >= rk.z) {
+    taken |= eqm;
+  } else {
+    int e_rank;
+    EmitScan(scan).ExclusiveSum(__popc(eqm), e_rank);
+    __syncthreads();
+    e_rank += base_eq;
+#pragma unroll
+    for (int t = 0; t < kEmitItems; ++t)
+      if (eqm >> t & 1u) {
+        if (e_rank < ties) taken |= 1u << t;
+        ++e_rank;
+      }
+  }
+  int pos;
+  EmitScan(scan).ExclusiveSum(__popc(taken), pos);
+  pos += base_out;
+  const SelectShape& s = p.shape;
+  const int b = row / s.kv_heads, h = row % s.kv_heads;
+  const uint32_t* ids = p.page_ids + p.page_indptr[b];
+#pragma unroll
+  for (int t = 0; t < kEmitItems; ++t)
+    if (taken >> t & 1u) {
+      const int i = i0 + t;
+      p.out_pages[e.out0 + pos] = i;
+      if (p.out_slots) p.out_slots[e.out0 + pos] = p.hbm_slot[(std::size_t)ids[i] * s.kv_heads + h];
+      ++pos;
+    }
+  if (int(blockIdx.x) == last_chunk && threadIdx.x == 0) p.out_count[row] = total_out;
 }
 
 // Few short rows (kMax/kMean, G <= 4, <= kFuseMaxPages pages, one cluster per
@@ -1032,10 +1176,13 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
   const int A = s.gqa == GqaAgg::kUnion ? s.group : 1;
   const std::size_t head_pages = std::size_t(plan->total_pages) * s.kv_heads;
   const std::size_t rows = std::size_t(s.batch) * s.kv_heads;
-  // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks.
+  // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks,
+  // the long rows' k-th keys and chunk counts.
+  const std::size_t chunks = std::size_t(plan->max_pages + kEmitChunk - 1) / kEmitChunk;
   plan->workspace_bytes = AlignUp(head_pages * A * sizeof(float)) + (A > 1 ? AlignUp(head_pages) : 0) +
                           (A == 1 ? AlignUp(rows * (sizeof(RowState) + kBins * sizeof(uint32_t))) +
-                                        AlignUp(rows * sizeof(int2))
+                                        AlignUp(rows * sizeof(int2)) + AlignUp(rows * sizeof(int4)) +
+                                        AlignUp(rows * chunks * sizeof(int2))
                                   : 0);
   plan->score_blocks = std::max(1, num_sms) * kScoreBlocksPerSm;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
@@ -1068,14 +1215,21 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   RowState* st = nullptr;
   uint32_t* ghist = nullptr;
   int2* pick = nullptr;
-  // The multi-block histogram costs a memset and a launch; it pays off only
-  // for rows too long for the top-K block's shared key cache (measured: at
-  // <= 512K tokens the single-block select over cached keys was faster).
-  if (!s.dense && s.gqa != GqaAgg::kUnion && plan.max_pages > plan.key_cache) {
+  int4* row_kth = nullptr;
+  int2* chunk_counts = nullptr;
+  const int chunks = (plan.max_pages + kEmitChunk - 1) / kEmitChunk;
+  // The multi-block histogram and chunked emit cost a memset and three
+  // launches; they pay off for rows of more than kLongRowMin keys (H200:
+  // the one-block select over 32K cached keys took ~50 us, 64K binned ~65).
+  if (!s.dense && s.gqa != GqaAgg::kUnion && plan.max_pages > kLongRowMin) {
     char* base = static_cast<char*>(p.workspace) + AlignUp(head_pages * sizeof(float));
     st = reinterpret_cast<RowState*>(base);
     ghist = reinterpret_cast<uint32_t*>(base + rows * sizeof(RowState));
-    pick = reinterpret_cast<int2*>(base + AlignUp(std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t))));
+    char* after_hist = base + AlignUp(std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)));
+    pick = reinterpret_cast<int2*>(after_hist);
+    row_kth = reinterpret_cast<int4*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)));
+    chunk_counts = reinterpret_cast<int2*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)) +
+                                           AlignUp(std::size_t(rows) * sizeof(int4)));
     const cudaError_t e =
         cudaMemsetAsync(st, 0, std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)), stream);
     if (e != cudaSuccess) return e;
@@ -1126,7 +1280,12 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
         allow_error[dev] = e;
   });
   if (allow_error[dev] != cudaSuccess) return allow_error[dev];
-  kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick);
+  kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick, row_kth);
+  if (row_kth) {
+    const dim3 grid(chunks, rows);
+    EmitCountKernel<<<grid, kEmitThreads, 0, stream>>>(p, scores, row_kth, chunk_counts);
+    EmitKernel<<<grid, kEmitThreads, 0, stream>>>(p, scores, row_kth, chunk_counts);
+  }
   return cudaGetLastError();
 }
 
