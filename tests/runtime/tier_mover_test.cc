@@ -51,6 +51,20 @@ class TierMoverTest : public ::testing::Test {
     EXPECT_EQ(mover_->HostHome(page), *home);
     EXPECT_EQ(published_[page], *home);
   }
+  // A deadline mover with high water 4 and low water 2 of the 8 host slots
+  // (the disk queue holds 4 I/Os); pages 0..4 sealed with bytes from
+  // `seed` * page, page p last selected at step p + 2; two pumps put the
+  // three coldest (0, 1, 2) on disk.
+  void DeadlineWithThreeOnDisk(uint8_t seed) {
+    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
+                                         disk_.get());
+    mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+    for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(seed * p), 1);
+    for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
+    ASSERT_TRUE(mover_->Pump(20).ok());
+    ASSERT_TRUE(mover_->Pump(21).ok());
+    for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  }
   // Every page's home, where readable, holds its bytes, and the listener's
   // view equals HostHome.
   void CheckHomes() {
@@ -141,15 +155,8 @@ TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
 }
 
 TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
-  // High water 4, low water 2 of 8 slots; the disk queue holds 4 I/Os.
-  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
-                                       disk_.get());
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
-  for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(7 * p), 1);
-  for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
-  ASSERT_TRUE(mover_->Pump(20).ok());  // 0, 1, 2 to disk
-  ASSERT_TRUE(mover_->Pump(21).ok());
-  ASSERT_EQ(mover_->HostHome(0), nullptr);
+  DeadlineWithThreeOnDisk(7);
+  if (HasFatalFailure()) return;
   for (uint32_t p = 5; p < 9; ++p) SealPage(p, uint8_t(7 * p), 21);
   ASSERT_EQ(host_->used(), 6u);
   ASSERT_TRUE(mover_->Pump(22).ok());  // wants 4 writes; 3 go, one queue slot stays free
@@ -163,15 +170,8 @@ TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
 }
 
 TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
-  // High water 4, low water 2 of 8 slots; the disk queue holds 4 I/Os.
-  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
-                                       disk_.get());
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
-  for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(9 * p), 1);
-  for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
-  ASSERT_TRUE(mover_->Pump(20).ok());  // 0, 1, 2 to disk
-  ASSERT_TRUE(mover_->Pump(21).ok());
-  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  DeadlineWithThreeOnDisk(9);
+  if (HasFatalFailure()) return;
   for (uint32_t p = 5; p < 9; ++p) {
     SealPage(p, uint8_t(9 * p), 21);
     mover_->NoteSelected(p, 30);
