@@ -369,13 +369,15 @@ int Main(int argc, char** argv) {
                 return RankBody(a, g, p, o, seqs, q, comm, ready, &res);
               });
           deadline_ms = 0;
-          // The first rank's own failure, not another's "could not start".
-          for (int pass = 0; pass < 2 && res.error.empty(); ++pass)
-            for (const Status& s : st)
-              if (!s.ok() && res.error.empty() && (pass == 1 || s.code() != Code::kFailedPrecondition)) {
-                res.error = JsonSafe(s.ToString());
-                res.no_fit = s.code() == Code::kResourceExhausted;
-              }
+          // A rank's own failure rather than another's "could not start".
+          auto failed = std::find_if(st.begin(), st.end(), [](const Status& x) {
+            return !x.ok() && x.code() != Code::kFailedPrecondition;
+          });
+          if (failed == st.end()) failed = std::find_if(st.begin(), st.end(), [](const Status& x) { return !x.ok(); });
+          if (failed != st.end()) {
+            res.error = JsonSafe(failed->ToString());
+            res.no_fit = failed->code() == Code::kResourceExhausted;
+          }
           if (res.no_fit) full.emplace_back(scheme, ranks);
         }
         if (res.error.empty()) {
