@@ -7,6 +7,7 @@
 #   l3-all   Llama-3-8B, 128K, structured, every page in HBM (the ceiling)
 #   l3-2g    the same with a 2 GiB HBM K/V budget
 #   l3g-all, l3g-2g   the gaussian workload (no locality: the worst case)
+#   l2-all   Llama-2-7B, 128K (64 GiB of K/V), every page in HBM (l2-8g's ceiling)
 #   l2-8g    Llama-2-7B, 128K (64 GiB of K/V), 8 GiB of HBM
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
 #            HBM budget of 1/8 of the K/V (where that holds two steps' selections: >= 32K); plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
@@ -47,6 +48,7 @@ for run in $RUNS; do
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
     l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;
     l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;
+    l2-all) one l2-all --preset llama2-7b --context 131072 --steps $STEPS --recall-every 0 ;;
     l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do

@@ -4,7 +4,7 @@
 Columns: step p50 (all layers), its breakdown, hit rate, host-link bytes per
 step, PCIe saved against dense offload, the measured dense-offload step and
 Quest's speedup over it, and — for a tiered run whose all-in-HBM twin ran
-(<x>-2g beside <x>-all, sweep-N-8th beside sweep-N-all, <x>-nog — graphs off —
+(<x>-2g or <x>-8g beside <x>-all, sweep-N-8th beside sweep-N-all, <x>-nog — graphs off —
 beside <x>) — the step against
 the twin's and whether the output digests agree."""
 import json
@@ -25,7 +25,7 @@ def load(folder):
 
 
 def twin(name, runs):
-    for a, b in (("-2g", "-all"), ("-8th", "-all"), ("-nog", ""), ("-hostgen", "-all")):
+    for a, b in (("-2g", "-all"), ("-8g", "-all"), ("-8th", "-all"), ("-nog", ""), ("-hostgen", "-all")):
         if name.endswith(a) and name[: -len(a)] + b in runs:
             return runs[name[: -len(a)] + b]
     return None
