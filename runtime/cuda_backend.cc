@@ -400,7 +400,13 @@ Status CudaBackendImpl::FlushUpdates() {
     QKV_CUDA(kc::LaunchTableUpdates(static_cast<kc::TableUpdate*>(StageDev(st)), int(ops->size()), t, stream_));
     ops->clear();
   }
-  set_index_.clear();
+  // clear() sweeps every bucket, and prefill leaves millions of them: at 1M
+  // tokens that sweep cost each decode call hundreds of µs. A large index is
+  // dropped instead.
+  if (set_index_.bucket_count() > 4096)
+    set_index_ = {};
+  else
+    set_index_.clear();
   return Status::Ok();
 }
 
@@ -942,7 +948,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // copies from and to them): the header, f32 q and out, the host-queue
   // counts and the selection.
   const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
-  const bool want_sel = s.selections || mover_->has_disk();
+  // The mover counts selections for its demotion order; a dense layer's are
+  // every page, known here without reading 4 bytes per head-page back.
+  const bool want_sel = s.selections || (mover_->has_disk() && !shape.dense);
   IoLayout io;
   io.hdr = 0;
   io.q = Align256(hdr.size() * 4);
@@ -998,11 +1006,15 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   rp.workspace = res_ws_.as();
 
   std::vector<kc::ResolveRequest> cold;
-  auto read_cold = [&]() -> Status {
+  auto read_cold_count = [&]() -> Result<int32_t> {
     int32_t n = 0;
     QKV_CUDA(cudaMemcpyAsync(&n, rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
     QKV_RETURN_IF_ERROR(Sync());
-    cold.resize(std::min(n, qcap));
+    return n;
+  };
+  // The first n cold-miss requests (n: the device's count, read back).
+  auto read_cold = [&](int32_t n) -> Status {
+    cold.resize(std::clamp(n, 0, qcap));
     if (!cold.empty()) {
       QKV_CUDA(cudaMemcpyAsync(cold.data(), rp.cold, cold.size() * sizeof(kc::ResolveRequest), cudaMemcpyDeviceToHost,
                                stream_));
@@ -1014,7 +1026,8 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // hits). The re-runs count on scratch counters; only their traffic is kept.
   auto settle_cold = [&]() -> Status {
     for (int round = 0;; ++round) {
-      QKV_RETURN_IF_ERROR(read_cold());
+      QKV_ASSIGN_OR_RETURN(const int32_t n, read_cold_count());
+      QKV_RETURN_IF_ERROR(read_cold(n));
       if (cold.empty()) return Status::Ok();
       if (round > 64) return Status::Internal("cold misses do not settle");
       // Every read in flight before waiting for any.
@@ -1135,6 +1148,11 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     if (s.resolve_us) *s.resolve_us += 1e3 * b;
     if (s.attend_us) *s.attend_us += 1e3 * c;
   }
+  // A page is noted once per call: a row selecting every page notes them all,
+  // so the other rows of its sequence need not (NoteSelected is idempotent
+  // within a step, but at 1M tokens a dense layer's 8 rows were 524K scattered
+  // writes a call).
+  const bool note = mover_->has_disk();
   if (want_sel) {
     if (s.selections) s.selections->resize(B);
     for (int b = 0; b < B; ++b) {
@@ -1144,26 +1162,34 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
         out->indptr.assign(1, 0);
         out->pages.clear();
       }
+      bool noted_all = false;
       for (int h = 0; h < H; ++h) {
         const int r = b * H + h;
         const int n = std::min(sel_count[r], sel_indptr[r + 1] - sel_indptr[r]);
-        for (int i = 0; i < n; ++i) {
-          const int32_t p = sel_pages[sel_indptr[r] + i];
-          if (out) out->pages.push_back(p);
-          mover_->NoteSelected(list.pages[p], s.step);
+        const int32_t* row = sel_pages + sel_indptr[r];
+        if (out) out->pages.insert(out->pages.end(), row, row + n);
+        if (note && !noted_all) {
+          for (int i = 0; i < n; ++i) mover_->NoteSelected(list.pages[row[i]], s.step);
+          noted_all = n == counts[b];
         }
         if (s.selected) *s.selected += n;
         if (out) out->indptr.push_back(int32_t(out->pages.size()));
       }
     }
-  } else if (s.selected) {
-    int64_t n = 0;
-    for (int r = 0; r < rows; ++r) n += sel_indptr[r + 1] - sel_indptr[r];
-    *s.selected += n;  // exact for max/mean and dense; union rows may use less
+  } else {
+    if (s.selected) {
+      int64_t n = 0;
+      for (int r = 0; r < rows; ++r) n += sel_indptr[r + 1] - sel_indptr[r];
+      *s.selected += n;  // exact for max/mean and dense; union rows may use less
+    }
+    if (note)  // a dense layer (see want_sel): every page of every sequence
+      for (int b = 0; b < B; ++b)
+        for (PageId page : s.lists[b]->pages) mover_->NoteSelected(page, s.step);
   }
-  // Deadline: the pages attended without start their promotion now.
+  // Deadline: the pages attended without start their promotion now (their
+  // count came back with the step's outputs).
   if (!strict && mover_->has_disk() && qcounts[0] > 0) {
-    QKV_RETURN_IF_ERROR(read_cold());
+    QKV_RETURN_IF_ERROR(read_cold(qcounts[0]));
     for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
   }
   clock.Mark(3);  // reading back selections, timings, host queues
