@@ -301,33 +301,18 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
   const SelectShape& s = p.shape;
-  const int Hkv = s.kv_heads;
-  const long long items = (long long)p.page_indptr[s.batch] * Hkv;
+  const long long items = (long long)p.page_indptr[s.batch] * s.kv_heads;
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
   for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < items;
        base += (long long)gridDim.x * blockDim.x) {
     const long long item = base + (threadIdx.x & 31);
-    bool valid = item < items;
-    int b = 0, first = 0, n = 1, h = 0, i = 0;
-    if (valid) {
-      int hi_b = s.batch;
-      while (hi_b - b > 1) {
-        const int mid = (b + hi_b) / 2;
-        if ((long long)p.page_indptr[mid] * Hkv <= item) b = mid; else hi_b = mid;
-      }
-      first = p.page_indptr[b];
-      n = p.page_indptr[b + 1] - first;
-      valid = !PolicyFor(s, n).all;
-      const long long rem = item - (long long)first * Hkv;
-      h = int(rem / n);
-      i = int(rem % n);
-    }
+    const ItemRef it = Locate(p, item, items, D);
     float agg = 0.f;
-    if (valid) {
-      const SumT* lo = slab + ((std::size_t)p.page_ids[first + i] * Hkv + h) * 2 * D;
+    if (it.valid) {
+      const SumT* lo = slab + it.off;
       const SumT* hi = lo + D;
-      const QT* q = q_all + ((std::size_t)b * Hkv * G + (std::size_t)h * G) * D;
+      const QT* q = q_all + ((std::size_t)it.b * s.kv_heads * G + (std::size_t)it.h * G) * D;
       float acc[G][8];
 #pragma unroll
       for (int g = 0; g < G; ++g)
@@ -348,9 +333,9 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
       float score[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
-      agg = StoreScores<G>(s, scores, item, first, n, h, i, score);
+      agg = StoreScores<G>(s, scores, item, it.first, it.n, it.h, it.i, score);
     }
-    if (st) FoldKeyRange(st, valid && !Skipped(PolicyFor(s, n), i), b * Hkv + h, Key(agg));
+    if (st) FoldKeyRange(st, it.valid && !Skipped(PolicyFor(s, it.n), it.i), it.b * s.kv_heads + it.h, Key(agg));
   }
 }
 
@@ -734,9 +719,10 @@ __device__ __forceinline__ void EmitSlots(const SelectParams& p, const uint32_t*
 // kCachedMaxMean: only rows whose keys fit the shared cache, kMax/kMean, no
 // bin (the common short-row case, compiled alone: a smaller kernel misses
 // the instruction cache less).
-// row_kth non-null (long rows): the binned rows' k-th key, ties and equal
-// count go to row_kth[row] = (kth, ties, equal, 1) for EmitCountKernel and
-// EmitKernel to emit across many blocks; rows emitted here get w = 0.
+// pick non-null (long rows; row_kth is then set too): the binned rows' k-th
+// key, ties and equal count go to row_kth[row] = (kth, ties, equal, 1) for
+// EmitCountKernel and EmitKernel to emit across many blocks; rows emitted
+// here get w = 0.
 template <bool kCachedMaxMean>
 __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, int key_cache, float* scores,
                                                             uint8_t* marks, const RowState* st, const int2* pick,
@@ -765,8 +751,9 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
     int ties = 0, equal = 0;
-    const bool binned = !kCachedMaxMean && A == 1 && pick != nullptr;
-    if (binned) {
+    // Long rows (pick, st and row_kth all set): the k-th key goes to
+    // EmitCountKernel and EmitKernel, which emit the row.
+    if (!kCachedMaxMean && A == 1 && pick != nullptr) {
       const int2 pk = pick[row];
       const uint32_t kmin = ~st[row].kmin_inv;
       const int shift = RangeShift(st[row].kmax - kmin);
@@ -803,17 +790,14 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
       } else {
         RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties, &equal);
       }
-      __syncthreads();
-      if (row_kth) {  // block-uniform: the emit is EmitKernel's
-        if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
-        return;
-      }
+      if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
+      return;  // block-uniform
     }
     // SelectShortRow below; shorter rows are faster through RadixKth alone
     // (H200: 2048 keys 14.5 us vs 19.6 us; 8192 keys 32 vs 22 us with the
     // histogram's bins from a 64-bit division).
     const bool short_row = kCachedMaxMean && r.n > kShortRowMin && r.n <= kTopKThreads * kItems;
-    for (int a = 0; a < (binned || short_row ? 0 : A); ++a) {
+    for (int a = 0; a < (short_row ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
       bool decided = false;
       if (cached) {
@@ -858,7 +842,7 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
       count = SelectShortRow([&](int i) { return Key(__ldg(row_scores + i)); }, r, cache, sh, emit);
     } else if (A == 1) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
-      const Keys keys{row_scores, cached && !binned ? cache : nullptr};
+      const Keys keys{row_scores, cached ? cache : nullptr};
       auto eq = [&](int i) { return !Skipped(r, i) && keys(i) == kth; };
       auto take = [&](int i, int eq_rank) {
         if (Skipped(r, i)) return true;
@@ -1200,7 +1184,10 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     QKV_DISPATCH_DTYPE(p.q_dtype, T, {
       QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
         QKV_DISPATCH_GROUP(s.group, G, {
-          if constexpr (G <= 4) FusedSelectKernel<T, T, D, G><<<grid, kTopKThreads, smem, stream>>>(p);
+          // (G > 4 never gets here; naming only G <= 4 keeps nvcc from
+          // wanting a G = 8 instantiation's stub.)
+          constexpr int kG = G <= 4 ? G : 4;
+          if constexpr (G <= 4) FusedSelectKernel<T, T, D, kG><<<grid, kTopKThreads, smem, stream>>>(p);
         })
       })
     })
