@@ -296,8 +296,12 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
       return out;
     };
     const int kc = std::min(c_ncold[0], cap), kb = std::min(c_nbyp[0], cap);
-    if (kc == c_ncold[0]) EXPECT_EQ(as_set(Download<ResolveRequest>(d_cold, cap), kc), cpu_set(c_cold, kc));
-    if (kb == c_nbyp[0]) EXPECT_EQ(as_set(Download<ResolveRequest>(d_byp, cap), kb), cpu_set(c_byp, kb));
+    if (kc == c_ncold[0]) {
+      EXPECT_EQ(as_set(Download<ResolveRequest>(d_cold, cap), kc), cpu_set(c_cold, kc));
+    }
+    if (kb == c_nbyp[0]) {
+      EXPECT_EQ(as_set(Download<ResolveRequest>(d_byp, cap), kb), cpu_set(c_byp, kb));
+    }
   }
   cudaStreamDestroy(stream);
 }

@@ -71,7 +71,9 @@ class TierMoverTest : public ::testing::Test {
     for (const auto& [page, bytes] : truth_) {
       const void* home = mover_->HostHome(page);
       EXPECT_EQ(published_[page], home) << "page " << page;
-      if (home) EXPECT_EQ(std::memcmp(home, bytes.data(), bytes.size()), 0) << "page " << page;
+      if (home) {
+        EXPECT_EQ(std::memcmp(home, bytes.data(), bytes.size()), 0) << "page " << page;
+      }
     }
   }
 
