@@ -182,35 +182,65 @@ constexpr int kScoreWarps = 2;        // per block: 2 x 2 buffers x 8.5 KiB, sta
 constexpr int kScoreBlocksPerSm = 6;  // as many as an SM's shared memory holds
 constexpr std::size_t kStagedMinHeadPages = std::size_t(1) << 18;  // G >= 4: below, ScoreKernelDirect
 
-// Where item `item` (= page_indptr[b] * Hkv + h * n + i, also the kMax/kMean
-// score's offset) lives: off = its summary's first element, -1 when there is
-// nothing to score (past the end, or a row choosing every page).
+// The score kernels walk slots. Without kChunked a slot is an item (item =
+// page_indptr[b] * Hkv + h * n + i, the kMax/kMean score's offset). With it,
+// sequence b owns Hkv * (n + 31) slots from Hkv * (page_indptr[b] + 31 * b);
+// inside, its pages go in chunks of 32, and each chunk's Hkv heads one after
+// the other, 32 slots (a warp) per (chunk, head): a warp scores 32
+// consecutive pages of one KV head (one query, broadcast) and the warps beside
+// it the other heads of the same pages, so that together they read whole
+// [Hkv][2][D] summaries instead of pieces Hkv * 2 * D elements apart. Slots
+// past a row's last chunk are idle. Measured on the H200 (bench/results/
+// 2026-11-29-gpu-session-5.md): 5% faster for Llama-2-7B (G = 1) at batch 1
+// and 512K-1M tokens, 5-8% slower for Llama-3-8B (G = 4) at batch 16; the
+// staged kernel chunks for G <= 2 only.
+template <bool kChunked>
+__host__ __device__ inline long long ScoreSlots(long long pages_before, int b, int kv_heads) {
+  return (long long)kv_heads * (pages_before + (kChunked ? 31LL * b : 0LL));
+}
+
+// What slot `slot` scores: off = its summary's first element, -1 when there
+// is nothing to score (an idle slot, or a row choosing every page).
 struct ItemRef {
-  long long off = -1;
+  long long off = -1, item = -1;
   int b = 0, first = 0, n = 1, h = 0, i = 0;
   bool valid = false;
 };
-__device__ __forceinline__ ItemRef Locate(const SelectParams& p, long long item, long long items, int D) {
+template <bool kChunked>
+__device__ __forceinline__ ItemRef Locate(const SelectParams& p, long long slot, long long slots, int D) {
   const SelectShape& s = p.shape;
+  const int H = s.kv_heads;
   ItemRef r;
-  if (item >= items) return r;
+  if (slot >= slots) return r;
   int hi_b = s.batch;
   while (hi_b - r.b > 1) {
     const int mid = (r.b + hi_b) / 2;
-    if ((long long)p.page_indptr[mid] * s.kv_heads <= item) r.b = mid; else hi_b = mid;
+    if (ScoreSlots<kChunked>(p.page_indptr[mid], mid, H) <= slot) r.b = mid; else hi_b = mid;
   }
   r.first = p.page_indptr[r.b];
   r.n = p.page_indptr[r.b + 1] - r.first;
+  const long long local = slot - ScoreSlots<kChunked>(r.first, r.b, H);
+  if constexpr (kChunked) {
+    const long long chunk = local / (32LL * H);
+    const int in_chunk = int(local - chunk * 32 * H);
+    r.h = in_chunk >> 5;
+    r.i = int(chunk * 32) + (in_chunk & 31);
+    if (r.i >= r.n) {  // idle
+      r.i = 0;
+      return r;
+    }
+  } else {
+    r.h = int(local / r.n);
+    r.i = int(local % r.n);
+  }
   r.valid = !PolicyFor(s, r.n).all;
-  const long long rem = item - (long long)r.first * s.kv_heads;
-  r.h = int(rem / r.n);
-  r.i = int(rem % r.n);
-  if (r.valid) r.off = ((long long)p.page_ids[r.first + r.i] * s.kv_heads + r.h) * 2 * D;
+  r.item = (long long)r.first * H + (long long)r.h * r.n + r.i;
+  if (r.valid) r.off = ((long long)p.page_ids[r.first + r.i] * H + r.h) * 2 * D;
   return r;
 }
 
 // ScoreKernel (G <= 2, or many head-pages): U_p(q) of every head-page, one lane per head-page, each warp
-// taking 32 consecutive items at a time. The summaries come through the
+// taking 32 slots (ScoreSlots) at a time. The summaries come through the
 // warp's own double-buffered tile: cp.async copies of the next phase (this
 // group's, or the next group's first) are in flight while the lanes score
 // the current one, and each copy instruction reads two head-pages' 256
@@ -228,10 +258,11 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
   __shared__ __align__(16) unsigned char tiles[kScoreWarps][2][T::kBytes];
   const int lane = int(threadIdx.x & 31), warp = int(threadIdx.x >> 5);
   const SelectShape& s = p.shape;
-  const long long items = (long long)p.page_indptr[s.batch] * s.kv_heads;
+  constexpr bool kChunked = G <= 2;
+  const long long slots = ScoreSlots<kChunked>(p.page_indptr[s.batch], s.batch, s.kv_heads);
   const long long step = (long long)gridDim.x * kScoreWarps * 32;
   long long base = ((long long)blockIdx.x * kScoreWarps + warp) * 32;
-  if (base >= items) return;  // warp-uniform
+  if (base >= slots) return;  // warp-uniform
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
   // Copies phase ph of the 32 head-pages whose lanes hold `it` into `dst`:
@@ -247,12 +278,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
     }
     CommitCopies();
   };
-  ItemRef cur = Locate(p, base + lane, items, D), next;
+  ItemRef cur = Locate<kChunked>(p, base + lane, slots, D), next;
   int nb = 0;  // the buffer being scored
   issue(cur, 0, tiles[warp][0]);
   for (;;) {
-    const bool more = base + step < items;  // warp-uniform
-    if (more) next = Locate(p, base + step + lane, items, D);
+    const bool more = base + step < slots;  // warp-uniform
+    if (more) next = Locate<kChunked>(p, base + step + lane, slots, D);
     const QT* q = q_all + ((std::size_t)cur.b * s.kv_heads * G + (std::size_t)cur.h * G) * D;
     float acc[G][8];
 #pragma unroll
@@ -287,7 +318,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
     float score[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
-    const float agg = cur.valid ? StoreScores<G>(s, scores, base + lane, cur.first, cur.n, cur.h, cur.i, score) : 0.f;
+    const float agg = cur.valid ? StoreScores<G>(s, scores, cur.item, cur.first, cur.n, cur.h, cur.i, score) : 0.f;
     if (st) FoldKeyRange(st, cur.valid && !Skipped(PolicyFor(s, cur.n), cur.i), cur.b * s.kv_heads + cur.h, Key(agg));
     if (!more) break;
     base += step;
@@ -301,13 +332,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
   const SelectShape& s = p.shape;
-  const long long items = (long long)p.page_indptr[s.batch] * s.kv_heads;
+  const long long slots = ScoreSlots<false>(p.page_indptr[s.batch], s.batch, s.kv_heads);
   const QT* q_all = static_cast<const QT*>(p.q);
   const SumT* slab = static_cast<const SumT*>(p.summaries);
-  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < items;
+  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < slots;
        base += (long long)gridDim.x * blockDim.x) {
-    const long long item = base + (threadIdx.x & 31);
-    const ItemRef it = Locate(p, item, items, D);
+    const ItemRef it = Locate<false>(p, base + (threadIdx.x & 31), slots, D);
     float agg = 0.f;
     if (it.valid) {
       const SumT* lo = slab + it.off;
@@ -333,7 +363,7 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
       float score[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
-      agg = StoreScores<G>(s, scores, item, it.first, it.n, it.h, it.i, score);
+      agg = StoreScores<G>(s, scores, it.item, it.first, it.n, it.h, it.i, score);
     }
     if (st) FoldKeyRange(st, it.valid && !Skipped(PolicyFor(s, it.n), it.i), it.b * s.kv_heads + it.h, Key(agg));
   }
@@ -1230,7 +1260,8 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
             // (H200, Llama-3-8B: 41.5 vs 50.0 us at b1 128K; the staged one
             // 129 vs 140 us at b1 512K, 1987 vs 2358 us at b16 1M).
             if (G <= 2 || head_pages >= kStagedMinHeadPages) {
-              const long long groups = (std::max<long long>(head_pages, 1) + 31) / 32;
+              const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
+              const long long groups = (std::max(slots, 1LL) + 31) / 32;
               const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
               ScoreKernel<QT, SumT, D, G><<<blocks, kScoreWarps * 32, 0, stream>>>(p, scores, st);
             } else {
