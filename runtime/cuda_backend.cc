@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <string>
 #include <unordered_map>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -88,16 +89,28 @@ std::size_t Align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
 // Host-side time of DecodeStep's phases, summed; printed to stderr at exit
 // when QUESTKV_PROFILE is set (to see what the host adds to a step).
+enum HostPhase { kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReadback, kHostPhases };
+constexpr const char* kHostPhaseNames[kHostPhases] = {"plan",   "grow lists",  "buffers",  "table flush",
+                                                      "launch", "device wait", "readback"};
 struct HostProfile {
-  double us[4] = {};
+  double us[kHostPhases] = {};
   int64_t calls = 0;
+  // Calls whose phase took over 100 us, and those calls' time in it: a
+  // few one-off costs (first growth, graph capture) or a steady one.
+  int64_t slow_calls[kHostPhases] = {};
+  double slow_us[kHostPhases] = {};
 };
 class HostClock {
  public:
   explicit HostClock(HostProfile& p) : p_(p), last_(std::chrono::steady_clock::now()) { ++p_.calls; }
   void Mark(int phase) {
     const auto now = std::chrono::steady_clock::now();
-    p_.us[phase] += std::chrono::duration<double, std::micro>(now - last_).count();
+    const double us = std::chrono::duration<double, std::micro>(now - last_).count();
+    p_.us[phase] += us;
+    if (us > 100) {
+      ++p_.slow_calls[phase];
+      p_.slow_us[phase] += us;
+    }
     last_ = now;
   }
 
@@ -111,11 +124,17 @@ class CudaBackendImpl final : public CudaBackend {
   CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
       : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
   ~CudaBackendImpl() override {
-    if (std::getenv("QUESTKV_PROFILE") && prof_.calls)
-      std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): plan+upload %.1f, launch %.1f, "
-                           "device wait %.1f, readback %.1f; %lld step graphs captured\n", (long long)prof_.calls,
-                   prof_.us[0] / prof_.calls, prof_.us[1] / prof_.calls, prof_.us[2] / prof_.calls,
-                   prof_.us[3] / prof_.calls, (long long)graphs_captured_);
+    if (std::getenv("QUESTKV_PROFILE") && prof_.calls) {
+      std::string line;
+      for (int i = 0; i < kHostPhases; ++i) {
+        char part[64];
+        std::snprintf(part, sizeof(part), "%s%s %.1f (%lld over 100 us: %.0f us)", i ? ", " : "", kHostPhaseNames[i],
+                      prof_.us[i] / prof_.calls, (long long)prof_.slow_calls[i], prof_.slow_us[i]);
+        line += part;
+      }
+      std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured\n",
+                   (long long)prof_.calls, line.c_str(), (long long)graphs_captured_);
+    }
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
@@ -883,12 +902,14 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     prev_need[b] = parts_[s.partitions[b]].last_need;
     parts_[s.partitions[b]].last_need = sel_indptr[(b + 1) * H] - sel_indptr[b * H];
   }
+  clock.Mark(kPlan);
   for (int b = 0; b < B; ++b) {
     if (Status st = GrowList(s.partitions[b]); !st.ok()) {
       for (int i = 0; i < B; ++i) parts_[s.partitions[i]].last_need = prev_need[i];  // as before the call
       return st;
     }
   }
+  clock.Mark(kGrow);
   std::vector<int32_t> part_indptr(B + 1, 0);
   for (int b = 0; b < B; ++b) part_indptr[b + 1] = part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
   kc::ResolvePlan rplan;
@@ -973,8 +994,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_RETURN_IF_ERROR(q_f32_.Reserve(qelems * 4));
     if (g_.dtype != DType::kF32) QKV_RETURN_IF_ERROR(o_f32_.Reserve(qelems * 4));
   }
+  clock.Mark(kBuffers);  // and the resolve/attend plans, the header, pinned io
   QKV_RETURN_IF_ERROR(FlushUpdates());
-  clock.Mark(0);  // planning, growth, uploads
+  clock.Mark(kFlush);
 
   const void* q = s.host_f32 ? (g_.dtype == DType::kF32 ? q_f32_.as() : q_.as()) : s.q;
   char* qb = queues_.as<char>();
@@ -1127,9 +1149,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   } else {
     QKV_RETURN_IF_ERROR(enqueue(false));
   }
-  clock.Mark(1);  // launches
+  clock.Mark(kLaunch);
   QKV_RETURN_IF_ERROR(Sync());
-  clock.Mark(2);  // waiting for the device
+  clock.Mark(kDeviceWait);
   if (s.host_f32) std::memcpy(s.out, io_ + io.out, qelems * 4);
   int32_t qcounts[2];
   std::memcpy(qcounts, io_ + io.counts, sizeof(qcounts));
@@ -1192,7 +1214,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_RETURN_IF_ERROR(read_cold(qcounts[0]));
     for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
   }
-  clock.Mark(3);  // reading back selections, timings, host queues
+  clock.Mark(kReadback);  // selections, timings, host queues
   return Status::Ok();
 }
 
