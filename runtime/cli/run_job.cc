@@ -178,12 +178,6 @@ void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunRepo
   acc.disk_to_host += after.disk_to_host - before.disk_to_host;
 }
 
-// A diagnosed step's recall diagnostics, after the step (outside its timing;
-// each layer's K/V and summaries stay as they were until its next append):
-// per layer the K/V and Quest scores are gathered, then the dense scoring
-// and the exact top-R search (seconds of CPU a layer at 128K) run on worker
-// threads, at most max_inflight_ layers at a time (bounded by memory: each
-// holds its gathered K/V), all joined before the next step starts.
 // Recall, mass recall, error, slack and exact-search cost of one (step, layer),
 // summed over its sequences.
 struct LayerDiagnostics {
@@ -191,6 +185,12 @@ struct LayerDiagnostics {
   int sequences = 0;
 };
 
+// A diagnosed step's recall diagnostics, after the step (outside its timing;
+// each layer's K/V and summaries stay as they were until its next append):
+// per layer the K/V and Quest scores are gathered, then the dense scoring
+// and the exact top-R search (seconds of CPU a layer at 128K) run on worker
+// threads, at most max_inflight_ layers at a time (bounded by memory: each
+// holds its gathered K/V), all joined before the next step starts.
 class Diagnostics {
  public:
   explicit Diagnostics(std::size_t view_bytes) {
