@@ -235,8 +235,9 @@ TEST_F(RuntimeTest, RollbackIntoTailEqualsFreshRebuild) {
       auto& m = model_[id];
       m.k[l].resize((43 - drop) * row());
       m.v[l].resize((43 - drop) * row());
-      if (43 - drop > 0)
+      if (43 - drop > 0) {
         ASSERT_TRUE(rt_->Append(fresh, l, m.k[l].data(), m.v[l].data(), 43 - drop).ok());
+      }
       model_[fresh].k[l] = m.k[l];
       model_[fresh].v[l] = m.v[l];
       EXPECT_EQ(*rt_->Length(id, l), 43 - drop);
