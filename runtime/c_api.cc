@@ -153,6 +153,11 @@ qkv_status qkv_decode_attention_device(qkv_runtime* h, const uint64_t* seqs, int
   if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
   return Report(h, h->rt->DecodeAttentionDevice(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
 }
+qkv_status qkv_synchronize(qkv_runtime* h) {
+  if (!h) return kNullHandle;
+  return Report(h, h->rt->Synchronize());
+}
+void* qkv_cuda_stream(qkv_runtime* h) { return h ? h->rt->cuda_stream() : nullptr; }
 qkv_status qkv_dense_attention(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const float* q,
                                float* out) {
   if (!h) return kNullHandle;

@@ -168,6 +168,11 @@ class CudaBackendImpl final : public CudaBackend {
   Status ReadTail(uint32_t part, PageId tail, void* dst) override;
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
   Status DecodeStep(const Step& s) override;
+  Status Synchronize() override {
+    QKV_RETURN_IF_ERROR(Sync());
+    return std::exchange(async_error_, Status::Ok());
+  }
+  void* stream() const override { return stream_; }
   Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
                                   int64_t* bytes) override;
   CudaCounters counters() override;
@@ -214,6 +219,9 @@ class CudaBackendImpl final : public CudaBackend {
   void* StageAlloc(std::size_t bytes);        // pinned, mapped; valid until the next Sync
   void* StageDev(const void* p) const { return stage_dev_ + (static_cast<const char*>(p) - stage_); }
   Status Upload(void* dev_dst, const void* src, std::size_t bytes);  // via the stage
+  // Waits for the stream, then checks the queue counts of the asynchronous
+  // steps since the last wait (a fault is kept in async_error_) and resets
+  // the staging.
   Status Sync();
   Status GrowPages(Partition& P, int64_t len);
   Status GrowList(uint32_t part);  // to its last_need
@@ -254,14 +262,18 @@ class CudaBackendImpl final : public CudaBackend {
       res_count_, queues_, sel_ws_, res_ws_, att_ws_;
   std::size_t att_ws_zeroed_ = 0;
 
-  // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
+  // Pinned, mapped staging (uploads, table edits, seal jobs, the queue counts
+  // of asynchronous steps), reset by Sync.
   char* stage_ = nullptr;
   char* stage_dev_ = nullptr;
   std::size_t stage_cap_ = 0, stage_used_ = 0;
+  // [cold, bypass] counts of asynchronous steps not yet waited for, in stage_.
+  std::vector<const int32_t*> pending_counts_;
+  Status async_error_;  // the first fault those counts reported, until returned
 
-  // Offsets in io_ of one step's pinned inputs and outputs.
+  // Offsets in io_ of what a synchronous step reads back.
   struct IoLayout {
-    std::size_t hdr = 0, q = 0, out = 0, counts = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+    std::size_t out = 0, counts = 0, sel_pages = 0, sel_count = 0, bytes = 0;
   };
   Status ReserveIo(std::size_t bytes) {
     if (bytes <= io_cap_) return Status::Ok();
@@ -395,6 +407,11 @@ void* CudaBackendImpl::StageAlloc(std::size_t bytes) {
 
 Status CudaBackendImpl::Sync() {
   QKV_CUDA(cudaStreamSynchronize(stream_));
+  for (const int32_t* c : pending_counts_)
+    if (c[1] != 0 && async_error_.ok())
+      async_error_ = Status::Internal(std::to_string(c[1]) +
+                                      " selected head-pages found no slot (partition lists too short)");
+  pending_counts_.clear();
   stage_used_ = 0;
   return Status::Ok();
 }
@@ -863,6 +880,7 @@ Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst)
 // ---- the decode step ---------------------------------------------------------------
 
 Status CudaBackendImpl::DecodeStep(const Step& s) {
+  if (!async_error_.ok()) return std::exchange(async_error_, Status::Ok());
   HostClock clock(prof_);
   const int B = int(s.lists.size()), H = g_.kv_heads, G = g_.group(), D = g_.head_dim, S = g_.page_size;
   const int rows = B * H;
@@ -965,24 +983,25 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   QKV_RETURN_IF_ERROR(header_.Reserve(hdr.size() * 4));
   const int32_t* d_hdr = header_.as<int32_t>();
 
-  // Pinned input/output of the step at fixed addresses (a captured graph
-  // copies from and to them): the header, f32 q and out, the host-queue
-  // counts and the selection.
   const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
   // The mover counts selections for its demotion order; a dense layer's are
   // every page, known here without reading 4 bytes per head-page back.
   const bool want_sel = s.selections || (mover_->has_disk() && !shape.dense);
+  const bool cold_waits = strict && mover_->has_disk();
+  // A step whose phases are to be timed is launched directly (see enqueue).
+  const bool timed = s.select_us || s.resolve_us || s.attend_us;
+  // Nothing on the host waits for this step: it returns once enqueued (see
+  // the header: without a disk tier no host home moves under it).
+  const bool async = !s.host_f32 && !want_sel && !timed && !mover_->has_disk();
+  // What a synchronous step reads back, pinned: f32 out, the host-queue
+  // counts and the selection.
   IoLayout io;
-  io.hdr = 0;
-  io.q = Align256(hdr.size() * 4);
-  io.out = io.q + Align256(s.host_f32 ? qelems * 4 : 0);
+  io.out = 0;
   io.counts = io.out + Align256(s.host_f32 ? qelems * 4 : 0);
   io.sel_pages = io.counts + 256;
   io.sel_count = io.sel_pages + Align256(want_sel ? entries * 4 : 0);
   io.bytes = io.sel_count + Align256(want_sel ? rows * 4 : 0);
-  QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
-  std::memcpy(io_ + io.hdr, hdr.data(), hdr.size() * 4);
-  if (s.host_f32) std::memcpy(io_ + io.q, s.q, qelems * 4);
+  if (!async) QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
 
   // Page ids: one sequence reads its mirror in place; a batch is copied together.
   const uint32_t* page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
@@ -1068,24 +1087,18 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       extra_evictions_ += int64_t(sc.evictions);
     }
   };
-  const bool cold_waits = strict && mover_->has_disk();
-  // A step whose phases are to be timed is launched directly (see enqueue).
-  const bool timed = s.select_us || s.resolve_us || s.attend_us;
-
-  // The whole step on the stream: inputs in, select -> resolve -> attend,
-  // outputs out. Captured once per shape and replayed when graphs are on and
-  // nothing in it waits for the host.
+  // The step's device work: select -> resolve -> attend, with the batch's
+  // page ids gathered and q and out converted. Captured once per shape and
+  // replayed when graphs are on and nothing in it waits for the host. Inputs
+  // (header, host q) are uploaded before it from the staging, readbacks
+  // enqueued after it: a graph holds no per-call host address.
   auto enqueue = [&](bool capturing) -> Status {
-    QKV_CUDA(cudaMemcpyAsync(header_.as(), io_ + io.hdr, hdr.size() * 4, cudaMemcpyHostToDevice, stream_));
     if (B > 1)
       for (int b = 0; b < B; ++b)
         QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + page_indptr[b], parts_[s.partitions[b]].pages.as(),
                                  std::size_t(counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
-    if (s.host_f32) {
-      QKV_CUDA(cudaMemcpyAsync(q_f32_.as(), io_ + io.q, qelems * 4, cudaMemcpyHostToDevice, stream_));
-      if (g_.dtype != DType::kF32)
-        QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), dt, qelems, stream_));
-    }
+    if (s.host_f32 && g_.dtype != DType::kF32)
+      QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), dt, qelems, stream_));
     // Phase timing only when launched directly: cudaEventElapsedTime refuses
     // events recorded by a graph's nodes (cudaErrorInvalidValue).
     if (timed) QKV_CUDA(cudaEventRecord(ev_[0], stream_));
@@ -1118,24 +1131,15 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     ap.workspace = att_ws_.as();
     QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
     if (timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
-    if (s.host_f32) {
-      const void* of = o_.as();
-      if (g_.dtype != DType::kF32) {
-        QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));
-        of = o_f32_.as();
-      }
-      QKV_CUDA(cudaMemcpyAsync(io_ + io.out, of, qelems * 4, cudaMemcpyDeviceToHost, stream_));
-    }
-    QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
-    if (want_sel) {
-      QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
-      QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
-    }
+    if (s.host_f32 && g_.dtype != DType::kF32)
+      QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));
     return Status::Ok();
   };
+  QKV_RETURN_IF_ERROR(Upload(header_.as(), hdr.data(), hdr.size() * 4));
+  if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, qelems * 4));
   if (c_.cuda_graphs && !cold_waits && !timed) {
     // Everything a captured step bakes in: shapes, buffers, pointers.
-    std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32, want_sel, int64_t(hdr.size()),
+    std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32, int64_t(hdr.size()),
                                 int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
                                 int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
     for (int b = 0; b < B; ++b) {
@@ -1148,6 +1152,25 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_CUDA(cudaGraphLaunch(exec, stream_));
   } else {
     QKV_RETURN_IF_ERROR(enqueue(false));
+  }
+  if (async) {
+    // The queue counts, checked at the next wait (Sync).
+    auto* counts_h = static_cast<int32_t*>(StageAlloc(8));
+    if (!counts_h) return Status::ResourceExhausted("pinned staging for the queue counts");
+    QKV_CUDA(cudaMemcpyAsync(counts_h, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+    pending_counts_.push_back(counts_h);
+    if (s.selected)  // exact for max/mean and dense; union rows may use less
+      for (int r = 0; r < rows; ++r) *s.selected += sel_indptr[r + 1] - sel_indptr[r];
+    clock.Mark(kLaunch);
+    return Status::Ok();
+  }
+  if (s.host_f32)
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.out, g_.dtype != DType::kF32 ? o_f32_.as() : o_.as(), qelems * 4,
+                             cudaMemcpyDeviceToHost, stream_));
+  QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+  if (want_sel) {
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
   }
   clock.Mark(kLaunch);
   QKV_RETURN_IF_ERROR(Sync());

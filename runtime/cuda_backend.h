@@ -21,10 +21,18 @@
 // before launching anything (hbm_bytes too small for the budget and the dense
 // layers).
 //
-// Synchronisation: every call returns with the device idle (the stream
-// synchronised), so the host-side tiers may move, reuse or free host homes
-// between calls without racing a kernel. Within a step nothing waits on the
-// host except cold misses under `strict`.
+// Synchronisation: every call is ordered on one CUDA stream (stream()). A
+// decode step on device pointers returns as soon as it is enqueued when
+// nothing on the host has to wait for it: no disk tier (so no host home can
+// move, be reused or be freed under a kernel that reads it — without a disk
+// host homes live as long as their pages, and a freed home is only rewritten
+// by later work on the same stream), no selections asked for, no phase
+// timing. Its one readback, the resolve's queue counts, lands in pinned
+// staging and is checked at the next synchronisation; a fault it reports
+// comes back from the next call or from Synchronize(). Every other call
+// returns with the device idle, so with a disk tier the host-side tiers may
+// move homes between calls without racing a kernel. Within a step nothing
+// waits on the host except cold misses under `strict`.
 //
 // Thread-compatible; one CUDA stream.
 #pragma once
@@ -123,6 +131,12 @@ class CudaBackend {
   // (the gather runs at a flat rate). *bytes gets the bytes it stands for.
   virtual Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
                                           int64_t* bytes) = 0;
+
+  // Waits for everything enqueued; returns (and clears) the first fault an
+  // asynchronous decode step reported.
+  virtual Status Synchronize() = 0;
+  // The cudaStream_t every call is ordered on.
+  virtual void* stream() const = 0;
 
   virtual CudaCounters counters() = 0;
 };

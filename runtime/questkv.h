@@ -84,10 +84,17 @@ qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, 
 qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out);
 /* CUDA backend only: the same on device pointers in the config's dtype
-   (k, v [n][Hkv][D]; q, out [batch][Hq][D]); they return with the work done. */
+   (k, v [n][Hkv][D]; q, out [batch][Hq][D]), ordered on qkv_cuda_stream():
+   inputs are read and out written when that stream reaches them, and without
+   a disk tier a decode call may return before its work is done (Runtime::
+   DecodeAttentionDevice). Read out after qkv_synchronize() or on the stream. */
 qkv_status qkv_append_device(qkv_runtime* rt, uint64_t seq, int layer, const void* k, const void* v, int64_t n);
 qkv_status qkv_decode_attention_device(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const void* q,
                                        void* out);
+/* Waits for every call's device work; the first fault an enqueued call reported. */
+qkv_status qkv_synchronize(qkv_runtime* rt);
+/* The cudaStream_t the CUDA backend orders its work on; NULL on the CPU backend or a null handle. */
+void* qkv_cuda_stream(qkv_runtime* rt);
 /* Dense attention over every token (reference). */
 qkv_status qkv_dense_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                float* out);

@@ -617,6 +617,13 @@ Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, co
   return I.DecodeCuda(layer, q, out, /*host_f32=*/false, /*dense=*/false, selections, stats);
 }
 
+Status Runtime::Synchronize() {
+  Impl& I = *impl_;
+  return I.cuda ? I.cuda->Synchronize() : Status::Ok();
+}
+
+void* Runtime::cuda_stream() const { return impl_->cuda ? impl_->cuda->stream() : nullptr; }
+
 Result<double> Runtime::TimeDenseOffload(std::span<const SeqId> seqs, int layer, std::size_t max_bytes, int reps,
                                          int64_t* bytes) {
   Impl& I = *impl_;

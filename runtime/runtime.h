@@ -103,10 +103,23 @@ class Runtime {
   // CUDA backend only (FailedPrecondition otherwise): Append and
   // DecodeAttention on device memory in the geometry's dtype — k, v
   // [n][Hkv][D]; q, out [B][Hq][D] — for engines whose tensors live on the
-  // GPU. They return with the work complete.
+  // GPU. Their work is ordered on cuda_stream(): k, v and q are read, and out
+  // written, when that stream reaches them, so the caller produces its inputs
+  // on that stream (or before the call) and reads out after it (on the
+  // stream, or after Synchronize()). Without a disk tier, and unless
+  // selections or phase timings are asked for, a decode call returns as soon
+  // as its work is enqueued: an engine's layers run back to back on the GPU
+  // with no host round trip between them. Otherwise the calls return with
+  // the work complete. A fault the device reports for an enqueued call comes
+  // back from the next call or from Synchronize().
   Status AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n);
   Status DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
                                std::vector<PageSelection>* selections = nullptr, AttendStats* stats = nullptr);
+  // Waits for every call's device work; returns the first fault an enqueued
+  // call reported. Ok at once on the CPU backend.
+  Status Synchronize();
+  // The cudaStream_t the CUDA backend orders its work on; null on the CPU backend.
+  void* cuda_stream() const;
 
   // CUDA backend only: the time, in microseconds, to stream every page of
   // the sequences at `layer` from pinned host memory into the GPU, as dense

@@ -60,6 +60,10 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   uint64_t one = 0;
   EXPECT_EQ(qkv_sequence_create(rt, &one), QKV_OK);
   EXPECT_EQ(qkv_append_device(rt, one, 0, nullptr, nullptr, 1), QKV_FAILED_PRECONDITION);  // CPU backend
+  EXPECT_EQ(qkv_cuda_stream(rt), nullptr);  // no stream on the CPU backend
+  EXPECT_EQ(qkv_synchronize(rt), QKV_OK);
+  EXPECT_EQ(qkv_synchronize(nullptr), QKV_INVALID_ARGUMENT);
+  EXPECT_EQ(qkv_cuda_stream(nullptr), nullptr);
   uint64_t seq = 0;
   EXPECT_EQ(qkv_sequence_create(rt, nullptr), QKV_INVALID_ARGUMENT);
   ASSERT_EQ(qkv_sequence_create(rt, &seq), QKV_OK);

@@ -347,6 +347,7 @@ TEST(CudaApi, DevicePointersMatchHostApi) {
     std::vector<float> out(qn);
     ASSERT_TRUE(rt->DecodeAttention(std::vector<SeqId>{*s1}, l, q.data(), out.data()).ok());
     ASSERT_TRUE(rt->DecodeAttentionDevice(std::vector<SeqId>{*s2}, l, dq, dout).ok());
+    ASSERT_TRUE(rt->Synchronize().ok());  // the call may return before its work is done
     cudaMemcpy(oh.data(), dout, qn * 2, cudaMemcpyDeviceToHost);
     for (std::size_t i = 0; i < qn; ++i) ASSERT_EQ(__half2float(oh[i]), out[i]) << "layer " << l << " elem " << i;
   }
@@ -354,6 +355,80 @@ TEST(CudaApi, DevicePointersMatchHostApi) {
   auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
   ASSERT_TRUE(cpu.ok());
   EXPECT_EQ((*cpu)->AppendDevice(1, 0, nullptr, nullptr, 1).code(), Code::kFailedPrecondition);
+}
+
+// Device-pointer decode calls enqueued back to back — each layer's inputs
+// uploaded on the runtime's stream into the same buffers the previous layer
+// read, no wait until the step's end — give the host calls' outputs bit for
+// bit, with a small HBM (misses, evictions) and CUDA graphs on.
+TEST(CudaApi, EnqueuedStepsMatchHostCalls) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config cfg = MakeConfig(Backend::kCuda, c);
+  cfg.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
+  QKV_CREATE_CUDA(host, cfg);
+  QKV_CREATE_CUDA(dev, cfg);
+  const Geometry& g = cfg.geometry;
+  const auto stream = static_cast<cudaStream_t>(dev->cuda_stream());
+  ASSERT_NE(stream, nullptr);
+  const int B = 3;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qn = std::size_t(B) * g.q_heads * g.head_dim;
+  const int64_t lens[B] = {4099, 17, 700};
+  std::vector<SeqId> hs, ds;
+  for (int b = 0; b < B; ++b) {
+    hs.push_back(*host->CreateSequence());
+    ds.push_back(*dev->CreateSequence());
+    for (int l = 0; l < g.layers; ++l) {
+      const auto k = Rounded(test::RandomNormal(lens[b] * row, 100 + 10 * b + l), c.dtype);
+      const auto v = Rounded(test::RandomNormal(lens[b] * row, 200 + 10 * b + l), c.dtype);
+      ASSERT_TRUE(host->Append(hs[b], l, k.data(), v.data(), lens[b]).ok());
+      ASSERT_TRUE(dev->Append(ds[b], l, k.data(), v.data(), lens[b]).ok());
+    }
+  }
+  // Pinned inputs for every call of a step, one device buffer each for k, v and q.
+  const int steps = 20, calls = g.layers;
+  __half *hk, *hv, *hq, *dk, *dv, *dq, *dout;
+  ASSERT_EQ(cudaMallocHost(&hk, calls * B * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&hv, calls * B * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&hq, calls * qn * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dk, B * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, B * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dq, qn * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, calls * qn * 2), cudaSuccess);
+  std::vector<__half> got(calls * qn);
+  uint64_t seed = 1000;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::vector<float>> want(calls, std::vector<float>(qn));
+    for (int l = 0; l < calls; ++l) {
+      const auto k = Rounded(test::RandomNormal(B * row, seed++), c.dtype);
+      const auto v = Rounded(test::RandomNormal(B * row, seed++), c.dtype);
+      const auto q = Rounded(test::RandomNormal(qn, seed++), c.dtype);
+      for (int b = 0; b < B; ++b)
+        ASSERT_TRUE(host->Append(hs[b], l, k.data() + b * row, v.data() + b * row, 1).ok());
+      ASSERT_TRUE(host->DecodeAttention(hs, l, q.data(), want[l].data()).ok());
+      for (std::size_t i = 0; i < B * row; ++i)
+        hk[l * B * row + i] = __float2half_rn(k[i]), hv[l * B * row + i] = __float2half_rn(v[i]);
+      for (std::size_t i = 0; i < qn; ++i) hq[l * qn + i] = __float2half_rn(q[i]);
+    }
+    for (int l = 0; l < calls; ++l) {
+      ASSERT_EQ(cudaMemcpyAsync(dk, hk + l * B * row, B * row * 2, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(dv, hv + l * B * row, B * row * 2, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(dq, hq + l * qn, qn * 2, cudaMemcpyHostToDevice, stream), cudaSuccess);
+      for (int b = 0; b < B; ++b) ASSERT_TRUE(dev->AppendDevice(ds[b], l, dk + b * row, dv + b * row, 1).ok());
+      ASSERT_TRUE(dev->DecodeAttentionDevice(ds, l, dq, dout + l * qn).ok());
+    }
+    ASSERT_TRUE(dev->Synchronize().ok());
+    ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int l = 0; l < calls; ++l)
+      for (std::size_t i = 0; i < qn; ++i)
+        ASSERT_EQ(__half2float(got[l * qn + i]), want[l][i]) << "step " << step << " layer " << l << " elem " << i;
+  }
+  const TierStats a = host->tier_stats(), b = dev->tier_stats();
+  EXPECT_GT(b.hbm_misses, 0);
+  EXPECT_EQ(a.hbm_hits, b.hbm_hits);
+  EXPECT_EQ(a.hbm_misses, b.hbm_misses);
+  EXPECT_EQ(a.host_to_hbm_bytes, b.host_to_hbm_bytes);
+  cudaFreeHost(hk), cudaFreeHost(hv), cudaFreeHost(hq);
+  cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout);
 }
 
 // Bad input: clear errors, and the runtime keeps serving.
