@@ -14,6 +14,8 @@ constexpr const char* kUsage =
     "backend:   --backend cpu|cuda [cpu] --dtype f32|f16|bf16 [f32 on cpu, f16 on cuda]\n"
     "           --no-cuda-graphs (launch every decode step directly instead of replaying graphs)\n"
     "           --gen gpu|host [gpu on cuda]: where the prefill's K/V are generated (the same values)\n"
+    "           --decode-api device|host [device on cuda]: decode calls on device pointers enqueued\n"
+    "           back to back (as an engine), or host floats with each call waiting for its output\n"
     "geometry:  --layers 4 --q-heads 8 --kv-heads 2 --head-dim 64 --page-size 16\n"
     "           --preset llama2-7b (32 layers, 32 heads x 128) | llama3-8b (32 layers, 32 q / 8 KV heads x 128);\n"
     "           flags given beside a preset override it\n"
@@ -42,6 +44,11 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   if (gen == "gpu" && o.config.backend != Backend::kCuda)
     return Status::InvalidArgument("--gen gpu needs --backend cuda");
   o.gpu_workload = gen == "gpu";
+  QKV_ASSIGN_OR_RETURN(std::string api, f.String("decode-api", o.config.backend == Backend::kCuda ? "device" : "host"));
+  if (api != "device" && api != "host") return Status::InvalidArgument("--decode-api: '" + api + "' (device, host)");
+  if (api == "device" && o.config.backend != Backend::kCuda)
+    return Status::InvalidArgument("--decode-api device needs --backend cuda");
+  o.device_decode = api == "device";
   SelectionPolicy& p = o.config.policy;
   QKV_ASSIGN_OR_RETURN(std::string preset, f.String("preset", ""));
   if (preset == "llama2-7b") {
@@ -117,7 +124,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
 }  // namespace
 
 int RunMain(int argc, char** argv) {
-  Flags flags({"backend", "dtype", "gen", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
+  Flags flags({"backend", "dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "top-r", "metrics-port", "metrics-linger-ms"},

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "runtime/cli/json.h"
+#include "runtime/half.h"
 #include "runtime/cli/progress.h"
 #include "runtime/metrics.h"
 #include "runtime/runtime.h"
@@ -133,18 +134,18 @@ Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
 #if QUESTKV_HAVE_CUDA
   const Geometry& g = o.config.geometry;
   const std::size_t bytes = std::size_t(kPrefillChunk) * g.kv_heads * g.head_dim * DTypeBytes(g.dtype);
+  // Generated on the runtime's stream, so each chunk's append reads it in
+  // stream order and the next chunk overwrites it only after.
   struct Device {
     void* k = nullptr;
     void* v = nullptr;
-    cudaStream_t stream = nullptr;
     ~Device() {
-      if (stream) cudaStreamDestroy(stream);
       cudaFree(k);
       cudaFree(v);
     }
   } d;
-  if (cudaMalloc(&d.k, bytes) != cudaSuccess || cudaMalloc(&d.v, bytes) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking) != cudaSuccess)
+  const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+  if (cudaMalloc(&d.k, bytes) != cudaSuccess || cudaMalloc(&d.v, bytes) != cudaSuccess)
     return Status::ResourceExhausted("device buffers for the prefill chunks");
   std::vector<std::unique_ptr<DeviceWorkload>> gen;
   for (const Workload& w : batch.workloads) {
@@ -155,18 +156,107 @@ Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
   const std::vector<PrefillChunk> chunks = PrefillChunks(batch, g.layers, &total);
   Progress bar("prefill (K/V generated on the GPU)", total, o.progress);
   for (const PrefillChunk& c : chunks) {
-    QKV_RETURN_IF_ERROR(gen[c.b]->Tokens(c.layer, c.t, c.n, d.k, d.v, g.dtype, d.stream));
-    if (const cudaError_t e = cudaStreamSynchronize(d.stream); e != cudaSuccess)
-      return Status::Internal(std::string("prefill generation: ") + cudaGetErrorString(e));
+    QKV_RETURN_IF_ERROR(gen[c.b]->Tokens(c.layer, c.t, c.n, d.k, d.v, g.dtype, stream));
     QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[c.b], c.layer, d.k, d.v, c.n));
     bar.Update(done += c.n);
   }
-  return Status::Ok();
+  return rt.Synchronize();
 #else
   (void)rt, (void)o, (void)batch;
   return Status::Unimplemented("K/V generated on the GPU needs a CUDA build");
 #endif
 }
+
+// One decode step through the device-pointer calls (RunOptions::
+// device_decode): the step's queries and K/V rows, generated on the host and
+// rounded to the model dtype as the host calls round them, go up before the
+// step; then every layer's append and decode are enqueued on the runtime's
+// stream, and the step is timed from the first call to the end of its work
+// on the GPU. Outputs come back after, in layer order for the digest.
+class DeviceStep {
+ public:
+#if QUESTKV_HAVE_CUDA
+  DeviceStep(const Geometry& g, int batch) : g_(g), batch_(batch) {}
+  ~DeviceStep() {
+    cudaFreeHost(host_);
+    cudaFree(dev_);
+  }
+  DeviceStep(const DeviceStep&) = delete;
+  DeviceStep& operator=(const DeviceStep&) = delete;
+
+  Status Init() {
+    row_ = std::size_t(g_.kv_heads) * g_.head_dim * batch_;
+    qrow_ = std::size_t(g_.q_heads) * g_.head_dim * batch_;
+    layer_elems_ = 2 * row_ + 2 * qrow_;  // k, v, q, out
+    bytes_ = std::size_t(g_.layers) * layer_elems_ * DTypeBytes(g_.dtype);
+    if (cudaHostAlloc(&host_, bytes_, cudaHostAllocDefault) != cudaSuccess || cudaMalloc(&dev_, bytes_) != cudaSuccess)
+      return Status::ResourceExhausted("buffers for the decode step's device-pointer calls");
+    return Status::Ok();
+  }
+
+  // Host f32 k, v [B][Hkv][D] and q [B][Hq][D] of a layer.
+  void Stage(int layer, const float* k, const float* v, const float* q) {
+    FromFloats(k, g_.dtype, row_, At(host_, layer, 0));
+    FromFloats(v, g_.dtype, row_, At(host_, layer, row_));
+    FromFloats(q, g_.dtype, qrow_, At(host_, layer, 2 * row_));
+  }
+
+  // Uploads the staged inputs, then runs and times the step (seconds);
+  // *enqueue_s gets the host's share: until the last call returned.
+  Result<double> Run(Runtime& rt, const Batch& batch, AttendStats& stats, double* append_us, double* enqueue_s) {
+    const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    if (cudaMemcpyAsync(dev_, host_, bytes_, cudaMemcpyHostToDevice, stream) != cudaSuccess)
+      return Status::Internal("decode step upload failed");
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    const std::size_t el = DTypeBytes(g_.dtype);
+    const std::size_t kv_row = std::size_t(g_.kv_heads) * g_.head_dim * el;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int layer = 0; layer < g_.layers; ++layer) {
+      const auto a0 = std::chrono::steady_clock::now();
+      for (int b = 0; b < batch_; ++b)
+        QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[b], layer, static_cast<char*>(At(dev_, layer, 0)) + b * kv_row,
+                                            static_cast<char*>(At(dev_, layer, row_)) + b * kv_row, 1));
+      *append_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - a0).count();
+      QKV_RETURN_IF_ERROR(rt.DecodeAttentionDevice(batch.ids, layer, At(dev_, layer, 2 * row_),
+                                                   At(dev_, layer, 2 * row_ + qrow_), nullptr, &stats));
+    }
+    *enqueue_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // The step's outputs, f32, layer after layer into out[L][B][Hq][D].
+  Status Outputs(Runtime& rt, std::vector<float>& out) {
+    const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    out.resize(std::size_t(g_.layers) * qrow_);
+    for (int layer = 0; layer < g_.layers; ++layer)
+      if (cudaMemcpyAsync(At(host_, layer, 2 * row_ + qrow_), At(dev_, layer, 2 * row_ + qrow_),
+                          qrow_ * DTypeBytes(g_.dtype), cudaMemcpyDeviceToHost, stream) != cudaSuccess)
+        return Status::Internal("decode step readback failed");
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    for (int layer = 0; layer < g_.layers; ++layer)
+      ToFloats(At(host_, layer, 2 * row_ + qrow_), g_.dtype, qrow_, out.data() + std::size_t(layer) * qrow_);
+    return Status::Ok();
+  }
+
+ private:
+  // Element `elem` of a layer's [k | v | q | out] block.
+  void* At(void* base, int layer, std::size_t elem) const {
+    return static_cast<char*>(base) + (std::size_t(layer) * layer_elems_ + elem) * DTypeBytes(g_.dtype);
+  }
+  Geometry g_;
+  int batch_;
+  std::size_t row_ = 0, qrow_ = 0, layer_elems_ = 0, bytes_ = 0;
+  void* host_ = nullptr;  // pinned
+  void* dev_ = nullptr;
+#else
+  DeviceStep(const Geometry&, int) {}
+  Status Init() { return Status::Unimplemented("decode on device pointers needs a CUDA build"); }
+  void Stage(int, const float*, const float*, const float*) {}
+  Result<double> Run(Runtime&, const Batch&, AttendStats&, double*, double*) { return Init(); }
+  Status Outputs(Runtime&, std::vector<float>&) { return Init(); }
+#endif
+};
 
 RunReport::Links LinksOf(const TierStats& t) {
   return {t.host_to_hbm_bytes, t.hbm_to_host_bytes, t.host_to_disk_bytes, t.disk_to_host_bytes};
@@ -288,16 +378,64 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   };
   std::vector<Deferred> deferred;
   Progress bar("decode", o.decode_steps, o.progress);
-  // The CUDA backend's phases are timed on every 4th step (a timed step is
-  // launched directly, not replayed from its graph); the CPU's on all.
-  const int time_every = o.config.backend == Backend::kCuda ? 4 : 1;
-  int64_t timed_steps = 0;
+  // The CUDA backend's phases are timed on every 4th step from step 1 (a
+  // timed step is launched directly, not replayed from its graph; step 0
+  // pays the one-off costs: module loads, graph captures, list growth); the
+  // CPU's on all. Medians per step are reported.
+  auto timed_step = [&](int64_t step) {
+    if (o.config.backend != Backend::kCuda) return true;
+    return o.decode_steps == 1 || step % 4 == 1;
+  };
+  std::vector<double> append_steps, select_steps, resolve_steps, attend_steps, enqueue_steps;
+  std::unique_ptr<DeviceStep> device;
+  if (o.device_decode) {
+    device = std::make_unique<DeviceStep>(g, B);
+    QKV_RETURN_IF_ERROR(device->Init());
+  }
+  std::vector<float> step_out;
+  // Dense offload, measured on a few layers before the first step: every
+  // page streamed from pinned host memory (at most 1 GiB of it, the rest scaled).
+  if (o.config.backend == Backend::kCuda && o.decode_steps > 0)
+    for (int layer = 0; layer < g.layers && r.offload_layers < 2; ++layer) {
+      if (o.config.policy.is_dense(layer)) continue;
+      int64_t bytes = 0;
+      QKV_ASSIGN_OR_RETURN(double us, rt.TimeDenseOffload(batch.ids, layer, std::size_t(1) << 30, 5, &bytes));
+      r.offload_us_per_layer += us;
+      ++r.offload_layers;
+    }
+  // What dense offload would stream at a layer this step: every page of it.
+  auto count_offload = [&](int layer) -> Status {
+    for (int b = 0; b < B; ++b) {
+      QKV_ASSIGN_OR_RETURN(int64_t len, rt.Length(batch.ids[b], layer));
+      const int64_t pages = (len + g.page_size - 1) / g.page_size;
+      r.dense_offload_bytes += pages * int64_t(g.page_bytes());
+    }
+    return Status::Ok();
+  };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
-    stats.time_phases = step % time_every == 0;
-    timed_steps += stats.time_phases;
+    stats.time_phases = timed_step(step);
+    const AttendStats before = stats;
+    const double append_before = append_us;
     double step_seconds = 0;
-    for (int layer = 0; layer < g.layers; ++layer) {
+    if (device && !diagnose) {
+      for (int layer = 0; layer < g.layers; ++layer) {
+        for (int b = 0; b < B; ++b) {
+          batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
+          batch.workloads[b].Query(layer, step, q.data() + b * qstride);
+        }
+        device->Stage(layer, k.data(), v.data(), q.data());
+      }
+      double enqueue_s = 0;
+      QKV_ASSIGN_OR_RETURN(step_seconds, device->Run(rt, batch, stats, &append_us, &enqueue_s));
+      enqueue_steps.push_back(1e6 * enqueue_s);
+      QKV_RETURN_IF_ERROR(device->Outputs(rt, step_out));
+      for (int layer = 0; layer < g.layers; ++layer) {
+        Digest(r.output_digest, step_out.data() + std::size_t(layer) * out.size(), out.size());
+        QKV_RETURN_IF_ERROR(count_offload(layer));
+      }
+    }
+    for (int layer = 0; layer < g.layers && !(device && !diagnose); ++layer) {
       for (int b = 0; b < B; ++b) {
         batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
         batch.workloads[b].Query(layer, step, q.data() + b * qstride);
@@ -324,24 +462,17 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
         r.compared_quest_us += 1e6 * std::chrono::duration<double>(t2 - t1).count();
         ++r.compared_layers;
       }
-      if (step == 0 && o.config.backend == Backend::kCuda && !o.config.policy.is_dense(layer) &&
-          r.offload_layers < 2) {
-        // Dense offload, measured on a few layers: every page streamed from
-        // pinned host memory (at most 1 GiB of it, the rest scaled).
-        int64_t bytes = 0;
-        QKV_ASSIGN_OR_RETURN(double us, rt.TimeDenseOffload(batch.ids, layer, std::size_t(1) << 30, 5, &bytes));
-        r.offload_us_per_layer += us;
-        ++r.offload_layers;
-      }
       Digest(r.output_digest, out.data(), out.size());
-      for (int b = 0; b < B; ++b) {
-        QKV_ASSIGN_OR_RETURN(int64_t len, rt.Length(batch.ids[b], layer));
-        const int64_t pages = (len + g.page_size - 1) / g.page_size;
-        r.dense_offload_bytes += pages * int64_t(g.page_bytes());
-      }
+      QKV_RETURN_IF_ERROR(count_offload(layer));
       if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
     }
     step_us.push_back(step_seconds * 1e6);
+    append_steps.push_back(append_us - append_before);
+    if (stats.time_phases) {
+      select_steps.push_back(stats.select_us - before.select_us);
+      resolve_steps.push_back(stats.resolve_us - before.resolve_us);
+      attend_steps.push_back(stats.attend_us - before.attend_us);
+    }
     if (metrics) {
       metrics->ObserveStep(step_seconds * 1e6);
       TierStats t = rt.tier_stats();
@@ -364,9 +495,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
   r.comparison_hits = comparison_hits;
   r.comparison_misses = comparison_misses;
-  const double steps = std::max<double>(1, double(o.decode_steps));
-  const double timed = std::max<double>(1, double(timed_steps));
-  r.step_breakdown_us = {append_us / steps, stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
+  r.step_breakdown_us = {Summarise(append_steps).p50, Summarise(select_steps).p50, Summarise(resolve_steps).p50,
+                         Summarise(attend_steps).p50};
+  r.enqueue_us = Summarise(std::move(enqueue_steps));
   r.head_pages_selected = stats.head_pages_selected;
   r.head_pages_total = stats.head_pages_total;
   r.kv_bytes_read = stats.kv_bytes_read;
@@ -472,11 +603,16 @@ std::string FormatReport(const RunReport& r) {
        Mib(int64_t(t.disk_capacity_bytes)).c_str(), Mib(int64_t(t.disk_peak_bytes)).c_str(),
        Mib(int64_t(t.summary_bytes)).c_str(), std::string(ColdMissPolicyName(o.config.cold_miss)).c_str());
   Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
+  Line(out, "  decode calls       %s\n",
+       o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed steps: host floats)"
+                       : "host floats, each call waits for its output");
   Line(out, "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n", r.step_latency_us.p50,
        r.step_latency_us.p99, o.config.geometry.layers);
   const RunReport::Breakdown& bd = r.step_breakdown_us;
-  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (means)\n",
+  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (medians)\n",
        bd.append, bd.select, bd.resolve, bd.attend);
+  if (o.device_decode)
+    Line(out, "  host enqueue       p50 %.0f us of the step (the rest is the GPU finishing)\n", r.enqueue_us.p50);
   if (r.compared_layers > 0)
     Line(out, "  against dense      %.0f us dense vs %.0f us Quest per sparse layer call (%d sampled): %.2fx\n",
          r.compared_dense_us / r.compared_layers, r.compared_quest_us / r.compared_layers, r.compared_layers,
@@ -608,6 +744,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("p99", r.step_latency_us.p99)
       .Field("mean", r.step_latency_us.mean)
       .EndObject();
+  j.BeginObject("enqueue_us").Field("p50", r.enqueue_us.p50).Field("p99", r.enqueue_us.p99).EndObject();
   j.BeginObject("step_breakdown_us")
       .Field("append", r.step_breakdown_us.append)
       .Field("select", r.step_breakdown_us.select)
@@ -630,6 +767,7 @@ std::string ReportJson(const RunReport& r) {
         .EndObject();
   }
   j.Field("prefill_seconds", r.prefill_seconds);
+  j.Field("decode_api", o.device_decode ? "device" : "host");
   j.Field("output_digest", Hex(r.output_digest));
   j.EndObject();
   return j.str();

@@ -29,6 +29,12 @@ struct RunOptions {
   // CUDA backend: generate the prefill's K/V on the GPU (the same values as
   // the host generator) and append them from device memory.
   bool gpu_workload = false;
+  // CUDA backend: decode through the device-pointer calls, as an engine
+  // does — each step's queries and K/V rows uploaded before the step, then
+  // every layer's append and decode enqueued back to back and the step timed
+  // to its end on the GPU. Off: the host-f32 calls, each waiting for its
+  // output. Diagnosed steps use the host calls either way.
+  bool device_decode = false;
   // Serve Prometheus metrics on 127.0.0.1:metrics_port while running (-1: off;
   // 0: any free port, printed on stderr), and keep serving metrics_linger_ms
   // after the run so a scraper can read the final values.
@@ -47,8 +53,12 @@ struct RunReport {
   Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
   struct Breakdown {
     double append = 0, select = 0, resolve = 0, attend = 0;
-  } step_breakdown_us;             // means per step (CUDA: select/resolve/attend over every 4th step,
-                                   // launched directly to be timed; the others replay graphs)
+  } step_breakdown_us;             // medians per step: append over every step; select/resolve/attend over
+                                   // the timed steps (CUDA: steps 1, 5, 9, ..., launched directly to be
+                                   // timed, the others replay graphs; the first step is a warm-up)
+  // Device-pointer decode (RunOptions::device_decode): host time to enqueue a
+  // step's calls, against step_latency_us, which runs to the end of its GPU work.
+  Percentiles enqueue_us;
   // On sampled sparse (step, layer)s of an all-in-memory run: the runtime's
   // dense attention over the same K/V, timed beside the Quest call.
   int compared_layers = 0;
