@@ -1,15 +1,20 @@
 // Resolve on the device: ResolveCpu's rule (kernels/cpu/resolve_cpu.cc) in four
 // launches, so that each phase sees the previous one complete:
-//  1. ClassifyKernel, a warp per row: hit (touch the slot), cold, or miss
-//     (claim the residency cell with atomicMin: the lowest entry owns it).
-//  2. AssignKernel, a block per sequence: block scans rank the owned misses
-//     and the eligible slots of the partition's list; the k-th miss takes the
-//     k-th eligible slot; the rest bypass; then a stable reorder of the list
-//     (a sequence without misses leaves its list untouched).
+//  1. ClassifyKernel, a thread per entry: hit (touch the slot), cold, or miss
+//     (claim the residency cell with atomicMin: the lowest entry owns it;
+//     each sequence counts its misses).
+//  2. AssignKernel, a block per sequence with misses (the others return at
+//     once): block scans rank the owned misses and the eligible slots of the
+//     partition's list; the k-th miss takes the k-th eligible slot; the rest
+//     bypass; then a stable reorder of the list.
 //     Blocks touch disjoint slots and disjoint residency cells (a claimed cell
 //     is never resident, an evicted one was not selected this step).
-//  3. FinalizeKernel, a warp per row: compacts the slots to attend, pushes
-//     host requests with warp-aggregated atomics, counts.
+//  3. FinalizeKernel, a block per row: compacts the slots to attend in entry
+//     order (block scans), pushes host requests with warp-aggregated atomics,
+//     counts.
+// A thread per entry and a block per row, not a warp per row: a dense
+// layer's rows hold every page (8K entries at 128K tokens), which a warp
+// walked in 256 dependent rounds (~0.5 ms a layer on the H200).
 //  4. GatherKernel: every filled slot's K and V from pinned host memory, as
 //     one flat range of 16-byte vectors striped over the grid, several loads
 //     in flight per thread before any store (PCIe latency is ~1 µs).
@@ -27,7 +32,8 @@
 namespace questkv::kernels::cuda {
 namespace {
 
-constexpr int kRowWarps = 8;  // rows per block in classify / finalize
+constexpr int kClassifyThreads = 256;
+constexpr int kFinalizeThreads = 512;
 constexpr int kAssignThreads = 512;
 constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
@@ -43,11 +49,12 @@ struct Workspace {
   int32_t* list;      // [list_slots] copy of part_slots
   GatherJob* jobs;    // [entries]
   int32_t* job_count; // [1]
+  int32_t* misses;    // [batch] entries classified as misses, per sequence
 };
 
 std::size_t Align(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
-Workspace Carve(void* base, int64_t entries, int64_t list_slots, std::size_t* total) {
+Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, std::size_t* total) {
   auto* p = static_cast<char*>(base);
   std::size_t off = 0;
   auto take = [&](std::size_t bytes) {
@@ -63,6 +70,7 @@ Workspace Carve(void* base, int64_t entries, int64_t list_slots, std::size_t* to
   w.list = reinterpret_cast<int32_t*>(take(list_slots * 4));
   w.jobs = reinterpret_cast<GatherJob*>(take(entries * sizeof(GatherJob)));
   w.job_count = reinterpret_cast<int32_t*>(take(4));
+  w.misses = reinterpret_cast<int32_t*>(take(std::size_t(batch) * 4));
   if (total) *total = off;
   return w;
 }
@@ -82,42 +90,64 @@ __device__ inline int UsedEntries(const ResolveParams& p, int row) {
 // graph replayed at later steps), else the value in the parameters.
 __device__ inline int64_t StepOf(const ResolveParams& p) { return p.step_ptr ? *p.step_ptr : p.step; }
 
-__global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count) {
-  *cold_count = 0;
-  *bypass_count = 0;
-  *job_count = 0;
+__global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count, int32_t* misses,
+                            int batch) {
+  if (threadIdx.x == 0) {
+    *cold_count = 0;
+    *bypass_count = 0;
+    *job_count = 0;
+  }
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) misses[b] = 0;
 }
 
-__global__ void __launch_bounds__(kRowWarps * 32) ClassifyKernel(ResolveParams p, Workspace w, Dims d) {
-  const int64_t step = StepOf(p);
-  const int row = blockIdx.x * kRowWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= d.batch * d.kv_heads) return;
-  const int b = row / d.kv_heads, h = row % d.kv_heads;
-  const int e0 = p.sel_indptr[row], cap = p.sel_indptr[row + 1] - e0;
-  const int n = UsedEntries(p, row);
-  const uint32_t* ids = p.page_ids + p.page_indptr[b];
-  for (int i = lane; i < cap; i += 32) {
-    const int e = e0 + i;
-    if (i >= n) {
+// The row holding entry e: the last r with sel_indptr[r] <= e (rows are
+// few and their bounds stay in cache).
+__device__ inline int RowOf(const int32_t* indptr, int rows, int e) {
+  int lo = 0, hi = rows - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (indptr[mid] <= e) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams p, Workspace w, Dims d,
+                                                                   int entries) {
+  const int e = blockIdx.x * kClassifyThreads + threadIdx.x;
+  const int rows = d.batch * d.kv_heads;
+  bool miss = false;
+  int b = -1;
+  if (e < entries && e < p.sel_indptr[rows]) {
+    const int row = RowOf(p.sel_indptr, rows, e);
+    b = row / d.kv_heads;
+    const int h = row % d.kv_heads;
+    if (e - p.sel_indptr[row] >= UsedEntries(p, row)) {
       w.state[e] = kIdle;
-      continue;
-    }
-    const uint32_t page = ids[p.sel_pages[e]];
-    w.page[e] = page;
-    w.head[e] = h;
-    int32_t* cell = p.hbm_slot + std::size_t(page) * d.kv_heads + h;
-    const int32_t s = *reinterpret_cast<volatile int32_t*>(cell);
-    if (s >= 0) {
-      w.state[e] = kHit;
-      p.slot_last_use[s] = step;
-    } else if (p.host_addr[page] == nullptr) {
-      w.state[e] = kCold;
     } else {
-      w.state[e] = kMiss;
-      atomicMin(cell, kClaimBase + e);
+      const uint32_t page = p.page_ids[p.page_indptr[b] + p.sel_pages[e]];
+      w.page[e] = page;
+      w.head[e] = h;
+      int32_t* cell = p.hbm_slot + std::size_t(page) * d.kv_heads + h;
+      const int32_t s = *reinterpret_cast<volatile int32_t*>(cell);
+      if (s >= 0) {
+        w.state[e] = kHit;
+        p.slot_last_use[s] = StepOf(p);
+      } else if (p.host_addr[page] == nullptr) {
+        w.state[e] = kCold;
+      } else {
+        w.state[e] = kMiss;
+        atomicMin(cell, kClaimBase + e);
+        miss = true;
+      }
     }
   }
+  // One atomic per sequence present in the warp (a warp spans few rows).
+  const unsigned lanes = __ballot_sync(0xFFFFFFFFu, miss);
+  if (!lanes) return;
+  const unsigned same = __match_any_sync(0xFFFFFFFFu, miss ? b : -1);
+  const int lane = threadIdx.x & 31;
+  if (miss && (same & lanes & ((1u << lane) - 1)) == 0) atomicAdd(&w.misses[b], __popc(same & lanes));
 }
 
 __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, Workspace w, Dims d) {
@@ -127,6 +157,11 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
   __shared__ int job_base;
   __shared__ unsigned long long evictions;
   const int b = blockIdx.x, H = d.kv_heads, tid = threadIdx.x;
+  // No miss (every entry hit, or was cold): nothing to place, and the list
+  // is left as it is (scanning and reordering a list that holds every page
+  // of a long sequence would cost more than the step; the hits' recency is
+  // in slot_last_use).
+  if (w.misses[b] == 0) return;
   if (tid == 0) evictions = 0;
   const int e_begin = p.sel_indptr[b * H], e_end = p.sel_indptr[(b + 1) * H];
 
@@ -144,10 +179,7 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
     owners += total;
     __syncthreads();
   }
-  // Nothing to place: the list is left as it is (scanning and reordering a
-  // list that holds every page of a long sequence would cost more than the
-  // step; the hits' recency is in slot_last_use).
-  if (owners == 0) return;
+  if (owners == 0) return;  // every miss lost its claim to another sequence's entry
 
   // Eligible slots in list order take the owned misses in order.
   const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];
@@ -239,17 +271,18 @@ __device__ inline int WarpPush(bool push, const ResolveRequest& r, ResolveReques
   return WarpCount(drop);
 }
 
-__global__ void __launch_bounds__(kRowWarps * 32) FinalizeKernel(ResolveParams p, Workspace w, Dims d) {
-  const int row = blockIdx.x * kRowWarps + threadIdx.x / 32;
+__global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(ResolveParams p, Workspace w, Dims d) {
+  using Scan = cub::BlockScan<int, kFinalizeThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int row = blockIdx.x;
   const int lane = threadIdx.x & 31;
-  if (row >= d.batch * d.kv_heads) return;
   const int h = row % d.kv_heads;
   const int e0 = p.sel_indptr[row];
   const int n = UsedEntries(p, row);
   unsigned long long selected = 0, hits = 0, misses = 0, cold = 0, bypasses = 0, dropped = 0;
   int out = 0;
-  for (int c0 = 0; c0 < n; c0 += 32) {
-    const int i = c0 + lane;
+  for (int c0 = 0; c0 < n; c0 += kFinalizeThreads) {
+    const int i = c0 + int(threadIdx.x);
     const int e = e0 + i;
     const int st = i < n ? w.state[e] : kIdle;
     const uint32_t page = st != kIdle ? w.page[e] : 0;
@@ -264,12 +297,14 @@ __global__ void __launch_bounds__(kRowWarps * 32) FinalizeKernel(ResolveParams p
     bypasses += WarpCount(is_bypass);
     dropped += WarpPush(is_cold, req, p.cold, p.cold_count, p.queue_capacity);
     dropped += WarpPush(is_bypass, req, p.bypass, p.bypass_count, p.queue_capacity);
-    const unsigned kept = __ballot_sync(0xFFFFFFFFu, keep);
-    if (keep) p.out_slots[e0 + out + __popc(kept & ((1u << lane) - 1))] = s;
-    out += __popc(kept);
+    int rank, total;
+    Scan(scan_tmp).ExclusiveSum(int(keep), rank, total);
+    if (keep) p.out_slots[e0 + out + rank] = s;
+    out += total;
+    __syncthreads();  // scan_tmp is reused
   }
   if (lane != 0) return;
-  p.out_count[row] = out;
+  if (threadIdx.x == 0) p.out_count[row] = out;
   ResolveCounters* c = p.counters;
   if (selected) atomicAdd(&c->selected, selected);
   if (hits) atomicAdd(&c->hits, hits);
@@ -339,7 +374,7 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
   // the gather runs ~2x slower instead of 4.8x (132 blocks) or 21x (528).
   const int sms = num_sms > 0 ? num_sms : 132;
   out.gather_blocks = gather_blocks > 0 ? gather_blocks : std::max(1, sms / 2);
-  Carve(nullptr, entries, list_slots, &out.workspace_bytes);
+  Carve(nullptr, entries, list_slots, s.batch, &out.workspace_bytes);
   *plan = out;
   return true;
 }
@@ -367,13 +402,15 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
   const ResolveShape& s = plan.shape;
   const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict};
-  const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, nullptr);
+  const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, nullptr);
   const int rows = s.batch * s.kv_heads;
-  const int row_blocks = (rows + kRowWarps - 1) / kRowWarps;
-  ResetKernel<<<1, 1, 0, stream>>>(p.cold_count, p.bypass_count, w.job_count);
-  ClassifyKernel<<<row_blocks, kRowWarps * 32, 0, stream>>>(p, w, d);
+  const int entries = int(plan.entries);
+  ResetKernel<<<1, 256, 0, stream>>>(p.cold_count, p.bypass_count, w.job_count, w.misses, s.batch);
+  if (entries > 0)
+    ClassifyKernel<<<(entries + kClassifyThreads - 1) / kClassifyThreads, kClassifyThreads, 0, stream>>>(p, w, d,
+                                                                                                      entries);
   AssignKernel<<<s.batch, kAssignThreads, 0, stream>>>(p, w, d);
-  FinalizeKernel<<<row_blocks, kRowWarps * 32, 0, stream>>>(p, w, d);
+  FinalizeKernel<<<rows, kFinalizeThreads, 0, stream>>>(p, w, d);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream);
 }
