@@ -34,7 +34,7 @@ namespace {
 
 constexpr int kClassifyThreads = 256;
 constexpr int kFinalizeThreads = 512;
-constexpr int kAssignThreads = 512;
+constexpr int kAssignThreads = 1024;  // one block walks a sequence's list: few rounds
 constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
@@ -181,18 +181,22 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
   }
   if (owners == 0) return;  // every miss lost its claim to another sequence's entry
 
-  // Eligible slots in list order take the owned misses in order.
+  // Eligible slots in list order take the owned misses in order. Each slot
+  // is copied to w.list, complemented (< 0) when it is used this step (hit,
+  // or filled here), for the reorder below: a slot's recency changes in
+  // this pass only by this block's fills (lists are disjoint).
   const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];
   int32_t* const part = p.part_lists ? p.part_lists[b] - l_begin : p.part_slots;  // indexed by i
-  int cands = 0;
+  int cands = 0, unused_total = 0;
   for (int base = l_begin; base < l_end; base += kAssignThreads) {
     const int i = base + tid;
     int elig = 0;
+    bool used = false;
     int32_t s = -1;
     if (i < l_end) {
       s = part[i];
-      w.list[i] = s;
-      elig = !p.slot_pinned[s] && p.slot_last_use[s] != step;
+      used = p.slot_last_use[s] == step;
+      elig = !p.slot_pinned[s] && !used;
     }
     int rank, total;
     Scan(scan_tmp).ExclusiveSum(elig, rank, total);
@@ -216,9 +220,11 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
       w.jobs[job_base + rank] = GatherJob{home + std::size_t(h) * d.piece_bytes,
                                           home + std::size_t(H + h) * d.piece_bytes,
                                           static_cast<char*>(p.slots) + std::size_t(s) * 2 * d.piece_bytes};
+      used = true;
     }
+    if (i < l_end) w.list[i] = used ? ~s : s;
     cands += total;
-    __syncthreads();
+    unused_total += __syncthreads_count(i < l_end && !used);  // and the barrier before scan_tmp's reuse
   }
   // Owners past the eligible slots: bypass, the claim released.
   for (int k = cands + tid; k < owners; k += kAssignThreads) {
@@ -228,20 +234,16 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
   __syncthreads();
 
   // Stable reorder: not used this step first, then used, each in old order.
-  int unused_total = 0;
-  for (int base = l_begin; base < l_end; base += kAssignThreads) {
-    const int i = base + tid;
-    unused_total += __syncthreads_count(i < l_end && p.slot_last_use[w.list[i]] != step);
-  }
   int unused_before = 0;
   for (int base = l_begin; base < l_end; base += kAssignThreads) {
     const int i = base + tid;
-    const int unused = i < l_end && p.slot_last_use[w.list[i]] != step;
+    const int32_t v = i < l_end ? w.list[i] : 0;
+    const int unused = i < l_end && v >= 0;
     int rank, total;
     Scan(scan_tmp).ExclusiveSum(unused, rank, total);
     if (i < l_end) {
       const int pos = unused ? unused_before + rank : unused_total + (i - l_begin - unused_before - rank);
-      part[l_begin + pos] = w.list[i];
+      part[l_begin + pos] = unused ? v : ~v;
     }
     unused_before += total;
     __syncthreads();
