@@ -219,9 +219,9 @@ class CudaBackendImpl final : public CudaBackend {
   void* StageAlloc(std::size_t bytes);        // pinned, mapped; valid until the next Sync
   void* StageDev(const void* p) const { return stage_dev_ + (static_cast<const char*>(p) - stage_); }
   Status Upload(void* dev_dst, const void* src, std::size_t bytes);  // via the stage
-  // Waits for the stream, then checks the queue counts of the asynchronous
-  // steps since the last wait (a fault is kept in async_error_) and resets
-  // the staging.
+  // Waits for the stream; after asynchronous steps, checks the device's
+  // cumulative bypass count (a fault is kept in async_error_); resets the
+  // staging.
   Status Sync();
   Status GrowPages(Partition& P, int64_t len);
   Status GrowList(uint32_t part);  // to its last_need
@@ -262,18 +262,20 @@ class CudaBackendImpl final : public CudaBackend {
       res_count_, queues_, sel_ws_, res_ws_, att_ws_;
   std::size_t att_ws_zeroed_ = 0;
 
-  // Pinned, mapped staging (uploads, table edits, seal jobs, the queue counts
-  // of asynchronous steps), reset by Sync.
+  // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
   char* stage_ = nullptr;
   char* stage_dev_ = nullptr;
   std::size_t stage_cap_ = 0, stage_used_ = 0;
-  // [cold, bypass] counts of asynchronous steps not yet waited for, in stage_.
-  std::vector<const int32_t*> pending_counts_;
-  Status async_error_;  // the first fault those counts reported, until returned
+  // Asynchronous steps since the last wait, and the bypasses counted by then:
+  // a selected head-page without a slot is a fault (the lists always hold a
+  // step's selection), reported from the next call or Synchronize().
+  bool unchecked_async_ = false;
+  uint64_t bypasses_seen_ = 0;
+  Status async_error_;  // the first such fault, until returned
 
   // Offsets in io_ of what a synchronous step reads back.
   struct IoLayout {
-    std::size_t out = 0, counts = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+    std::size_t out = 0, counts = 0, totals = 0, sel_pages = 0, sel_count = 0, bytes = 0;
   };
   Status ReserveIo(std::size_t bytes) {
     if (bytes <= io_cap_) return Status::Ok();
@@ -406,13 +408,18 @@ void* CudaBackendImpl::StageAlloc(std::size_t bytes) {
 }
 
 Status CudaBackendImpl::Sync() {
+  kc::ResolveCounters c{};
+  if (unchecked_async_)
+    QKV_CUDA(cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaStreamSynchronize(stream_));
-  for (const int32_t* c : pending_counts_)
-    if (c[1] != 0 && async_error_.ok())
-      async_error_ = Status::Internal(std::to_string(c[1]) +
-                                      " selected head-pages found no slot (partition lists too short)");
-  pending_counts_.clear();
   stage_used_ = 0;
+  if (unchecked_async_) {
+    unchecked_async_ = false;
+    if (c.bypasses > bypasses_seen_ && async_error_.ok())
+      async_error_ = Status::Internal(std::to_string(c.bypasses - bypasses_seen_) +
+                                      " selected head-pages found no slot (partition lists too short)");
+    bypasses_seen_ = c.bypasses;
+  }
   return Status::Ok();
 }
 
@@ -933,7 +940,10 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   kc::ResolvePlan rplan;
   const kc::ResolveShape rshape{B, H, S, D, dt,
                                 c_.cold_miss == ColdMissPolicy::kStrict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline};
-  if (!kc::PlanResolve(rshape, entries, part_indptr[B], sms_, 0, &rplan, &err)) return Status::InvalidArgument(err);
+  // The gather on every SM: within a step nothing runs beside it (the
+  // attention waits for it), so the half-grid default, which leaves SMs to
+  // work on other streams, would only slow it.
+  if (!kc::PlanResolve(rshape, entries, part_indptr[B], sms_, sms_, &rplan, &err)) return Status::InvalidArgument(err);
   kc::AttendPlan aplan;
   if (!kc::PlanAttend(kc::AttendShape{rows, H, G, D, S, dt}, std::max(max_row, 1), sms_, &aplan, &err))
     return Status::InvalidArgument(err);
@@ -994,11 +1004,12 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // the header: without a disk tier no host home moves under it).
   const bool async = !s.host_f32 && !want_sel && !timed && !mover_->has_disk();
   // What a synchronous step reads back, pinned: f32 out, the host-queue
-  // counts and the selection.
+  // counts, the cumulative counters and the selection.
   IoLayout io;
   io.out = 0;
   io.counts = io.out + Align256(s.host_f32 ? qelems * 4 : 0);
-  io.sel_pages = io.counts + 256;
+  io.totals = io.counts + 256;
+  io.sel_pages = io.totals + Align256(sizeof(kc::ResolveCounters));
   io.sel_count = io.sel_pages + Align256(want_sel ? entries * 4 : 0);
   io.bytes = io.sel_count + Align256(want_sel ? rows * 4 : 0);
   if (!async) QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
@@ -1090,7 +1101,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // The step's device work: select -> resolve -> attend, with the batch's
   // page ids gathered and q and out converted. Captured once per shape and
   // replayed when graphs are on and nothing in it waits for the host. Inputs
-  // (header, host q) are uploaded before it from the staging, readbacks
+  // (header, host q) go up before it from the staging, readbacks are
   // enqueued after it: a graph holds no per-call host address.
   auto enqueue = [&](bool capturing) -> Status {
     if (B > 1)
@@ -1154,11 +1165,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_RETURN_IF_ERROR(enqueue(false));
   }
   if (async) {
-    // The queue counts, checked at the next wait (Sync).
-    auto* counts_h = static_cast<int32_t*>(StageAlloc(8));
-    if (!counts_h) return Status::ResourceExhausted("pinned staging for the queue counts");
-    QKV_CUDA(cudaMemcpyAsync(counts_h, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
-    pending_counts_.push_back(counts_h);
+    unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
     if (s.selected)  // exact for max/mean and dense; union rows may use less
       for (int r = 0; r < rows; ++r) *s.selected += sel_indptr[r + 1] - sel_indptr[r];
     clock.Mark(kLaunch);
@@ -1168,11 +1175,14 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_CUDA(cudaMemcpyAsync(io_ + io.out, g_.dtype != DType::kF32 ? o_f32_.as() : o_.as(), qelems * 4,
                              cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+  QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
+                           stream_));
   if (want_sel) {
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), entries * 4, cudaMemcpyDeviceToHost, stream_));
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
   }
   clock.Mark(kLaunch);
+  unchecked_async_ = false;  // checked below, apart from this step's own bypasses
   QKV_RETURN_IF_ERROR(Sync());
   clock.Mark(kDeviceWait);
   if (s.host_f32) std::memcpy(s.out, io_ + io.out, qelems * 4);
@@ -1181,8 +1191,19 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // Read in place: io_ stays put until the next step.
   const int32_t* sel_pages = reinterpret_cast<const int32_t*>(io_ + io.sel_pages);
   const int32_t* sel_count = reinterpret_cast<const int32_t*>(io_ + io.sel_count);
-  if (qcounts[1] != 0)
+  // Bypasses of earlier asynchronous steps are the cumulative count's growth
+  // beyond this step's own, which this call reports.
+  kc::ResolveCounters totals;
+  std::memcpy(&totals, io_ + io.totals, sizeof(totals));
+  const uint64_t grown = totals.bypasses - bypasses_seen_;
+  const uint64_t earlier = grown - std::min<uint64_t>(grown, uint64_t(std::max(qcounts[1], 0)));
+  if (earlier > 0 && async_error_.ok())
+    async_error_ = Status::Internal(std::to_string(earlier) +
+                                    " selected head-pages found no slot (partition lists too short)");
+  bypasses_seen_ = totals.bypasses;
+  if (qcounts[1] != 0) {
     return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");
+  }
 
   if (timed) {
     float a = 0, b = 0, c = 0;
