@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "runtime/cli/json.h"
-#include "runtime/half.h"
 #include "runtime/cli/progress.h"
+#include "runtime/half.h"
 #include "runtime/metrics.h"
 #include "runtime/runtime.h"
 #include "selector/diagnostics.h"

@@ -142,6 +142,19 @@ TEST(RunCommand, PresetsAndBadPresets) {
       << out;
 }
 
+TEST(RunCommand, DecodeApiNeedsTheCudaBackend) {
+  const char* device_on_cpu[] = {"run", "--decode-api", "device", "--no-progress"};
+  EXPECT_EQ(RunMain(4, const_cast<char**>(device_on_cpu)), 2);
+  const char* bogus[] = {"run", "--backend", "cuda", "--decode-api", "pinned", "--no-progress"};
+  EXPECT_EQ(RunMain(6, const_cast<char**>(bogus)), 2);
+  const char* host[] = {"run", "--decode-api", "host", "--layers", "2", "--context", "300", "--steps", "2",
+                        "--recall-every", "0", "--no-progress", "--json"};
+  testing::internal::CaptureStdout();
+  EXPECT_EQ(RunMain(13, const_cast<char**>(host)), 0);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("\"decode_api\":\"host\""), std::string::npos) << out;
+}
+
 TEST(RunJob, BadOptionsAreErrors) {
   RunOptions o = Small();
   o.batch = 0;
