@@ -27,9 +27,9 @@
 // move, be reused or be freed under a kernel that reads it — without a disk
 // host homes live as long as their pages, and a freed home is only rewritten
 // by later work on the same stream), no selections asked for, no phase
-// timing. Its one readback, the resolve's queue counts, lands in pinned
-// staging and is checked at the next synchronisation; a fault it reports
-// comes back from the next call or from Synchronize(). Every other call
+// timing. It reads nothing back: the next wait checks the device's
+// cumulative count of selected head-pages that found no slot, and such a
+// fault comes back from the next call or from Synchronize(). Every other call
 // returns with the device idle, so with a disk tier the host-side tiers may
 // move homes between calls without racing a kernel. Within a step nothing
 // waits on the host except cold misses under `strict`.
