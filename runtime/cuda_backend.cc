@@ -87,6 +87,12 @@ class DevBuf {
 
 std::size_t Align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
+// Selected head-pages that found no slot: the partition lists always hold a
+// step's selection, so this is a fault, never a policy outcome.
+Status NoSlotFault(uint64_t n) {
+  return Status::Internal(std::to_string(n) + " selected head-pages found no slot (partition lists too short)");
+}
+
 // Host-side time of DecodeStep's phases, summed; printed to stderr at exit
 // when QUESTKV_PROFILE is set (to see what the host adds to a step).
 enum HostPhase { kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReadback, kHostPhases };
@@ -415,9 +421,7 @@ Status CudaBackendImpl::Sync() {
   stage_used_ = 0;
   if (unchecked_async_) {
     unchecked_async_ = false;
-    if (c.bypasses > bypasses_seen_ && async_error_.ok())
-      async_error_ = Status::Internal(std::to_string(c.bypasses - bypasses_seen_) +
-                                      " selected head-pages found no slot (partition lists too short)");
+    if (c.bypasses > bypasses_seen_ && async_error_.ok()) async_error_ = NoSlotFault(c.bypasses - bypasses_seen_);
     bypasses_seen_ = c.bypasses;
   }
   return Status::Ok();
@@ -1003,8 +1007,8 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // Nothing on the host waits for this step: it returns once enqueued (see
   // the header: without a disk tier no host home moves under it).
   const bool async = !s.host_f32 && !want_sel && !timed && !mover_->has_disk();
-  // What a synchronous step reads back, pinned: f32 out, the host-queue
-  // counts, the cumulative counters and the selection.
+  // What a synchronous step reads back, pinned: f32 out, the cold-miss
+  // count, the cumulative counters and the selection.
   IoLayout io;
   io.out = 0;
   io.counts = io.out + Align256(s.host_f32 ? qelems * 4 : 0);
@@ -1150,7 +1154,7 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, qelems * 4));
   if (c_.cuda_graphs && !cold_waits && !timed) {
     // Everything a captured step bakes in: shapes, buffers, pointers.
-    std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32, int64_t(hdr.size()),
+    std::vector<int64_t> key = {B, shape.dense, shape.page_budget, s.host_f32,
                                 int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
                                 int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
     for (int b = 0; b < B; ++b) {
@@ -1166,15 +1170,14 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   }
   if (async) {
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
-    if (s.selected)  // exact for max/mean and dense; union rows may use less
-      for (int r = 0; r < rows; ++r) *s.selected += sel_indptr[r + 1] - sel_indptr[r];
+    if (s.selected) *s.selected += entries;  // exact for max/mean and dense; union rows may use less
     clock.Mark(kLaunch);
     return Status::Ok();
   }
   if (s.host_f32)
     QKV_CUDA(cudaMemcpyAsync(io_ + io.out, g_.dtype != DType::kF32 ? o_f32_.as() : o_.as(), qelems * 4,
                              cudaMemcpyDeviceToHost, stream_));
-  QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 8, cudaMemcpyDeviceToHost, stream_));
+  QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
                            stream_));
   if (want_sel) {
@@ -1182,28 +1185,22 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), rows * 4, cudaMemcpyDeviceToHost, stream_));
   }
   clock.Mark(kLaunch);
-  unchecked_async_ = false;  // checked below, apart from this step's own bypasses
+  unchecked_async_ = false;  // checked below, from the counters read back with the outputs
   QKV_RETURN_IF_ERROR(Sync());
   clock.Mark(kDeviceWait);
   if (s.host_f32) std::memcpy(s.out, io_ + io.out, qelems * 4);
-  int32_t qcounts[2];
-  std::memcpy(qcounts, io_ + io.counts, sizeof(qcounts));
+  int32_t cold_count = 0;
+  std::memcpy(&cold_count, io_ + io.counts, sizeof(cold_count));
   // Read in place: io_ stays put until the next step.
   const int32_t* sel_pages = reinterpret_cast<const int32_t*>(io_ + io.sel_pages);
   const int32_t* sel_count = reinterpret_cast<const int32_t*>(io_ + io.sel_count);
-  // Bypasses of earlier asynchronous steps are the cumulative count's growth
-  // beyond this step's own, which this call reports.
+  // Bypasses since the last check: this step's and any earlier asynchronous
+  // step's, reported now.
   kc::ResolveCounters totals;
   std::memcpy(&totals, io_ + io.totals, sizeof(totals));
-  const uint64_t grown = totals.bypasses - bypasses_seen_;
-  const uint64_t earlier = grown - std::min<uint64_t>(grown, uint64_t(std::max(qcounts[1], 0)));
-  if (earlier > 0 && async_error_.ok())
-    async_error_ = Status::Internal(std::to_string(earlier) +
-                                    " selected head-pages found no slot (partition lists too short)");
+  const uint64_t bypassed = totals.bypasses - bypasses_seen_;
   bypasses_seen_ = totals.bypasses;
-  if (qcounts[1] != 0) {
-    return Status::Internal(std::to_string(qcounts[1]) + " selected head-pages found no slot (partition lists too short)");
-  }
+  if (bypassed > 0) return NoSlotFault(bypassed);
 
   if (timed) {
     float a = 0, b = 0, c = 0;
@@ -1243,19 +1240,15 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       }
     }
   } else {
-    if (s.selected) {
-      int64_t n = 0;
-      for (int r = 0; r < rows; ++r) n += sel_indptr[r + 1] - sel_indptr[r];
-      *s.selected += n;  // exact for max/mean and dense; union rows may use less
-    }
+    if (s.selected) *s.selected += entries;  // exact for max/mean and dense; union rows may use less
     if (note)  // a dense layer (see want_sel): every page of every sequence
       for (int b = 0; b < B; ++b)
         for (PageId page : s.lists[b]->pages) mover_->NoteSelected(page, s.step);
   }
   // Deadline: the pages attended without start their promotion now (their
   // count came back with the step's outputs).
-  if (!strict && mover_->has_disk() && qcounts[0] > 0) {
-    QKV_RETURN_IF_ERROR(read_cold(qcounts[0]));
+  if (!strict && mover_->has_disk() && cold_count > 0) {
+    QKV_RETURN_IF_ERROR(read_cold(cold_count));
     for (const kc::ResolveRequest& r : cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
   }
   clock.Mark(kReadback);  // selections, timings, host queues
