@@ -412,18 +412,24 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     }
     return Status::Ok();
   };
+  // The step's new K/V row and query of every sequence at a layer, into k, v, q.
+  auto generate = [&](int layer, int64_t step) {
+    for (int b = 0; b < B; ++b) {
+      batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
+      batch.workloads[b].Query(layer, step, q.data() + b * qstride);
+    }
+  };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
+    // Diagnosed steps go through the host calls: they need the selections.
+    const bool on_device = device && !diagnose;
     stats.time_phases = timed_step(step);
-    const AttendStats before = stats;
+    const AttendStats stats_before = stats;
     const double append_before = append_us;
     double step_seconds = 0;
-    if (device && !diagnose) {
+    if (on_device) {
       for (int layer = 0; layer < g.layers; ++layer) {
-        for (int b = 0; b < B; ++b) {
-          batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
-          batch.workloads[b].Query(layer, step, q.data() + b * qstride);
-        }
+        generate(layer, step);
         device->Stage(layer, k.data(), v.data(), q.data());
       }
       double enqueue_s = 0;
@@ -435,11 +441,8 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
         QKV_RETURN_IF_ERROR(count_offload(layer));
       }
     }
-    for (int layer = 0; layer < g.layers && !(device && !diagnose); ++layer) {
-      for (int b = 0; b < B; ++b) {
-        batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
-        batch.workloads[b].Query(layer, step, q.data() + b * qstride);
-      }
+    for (int layer = 0; !on_device && layer < g.layers; ++layer) {
+      generate(layer, step);
       const auto t0 = std::chrono::steady_clock::now();
       for (int b = 0; b < B; ++b)
         QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
@@ -469,9 +472,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     step_us.push_back(step_seconds * 1e6);
     append_steps.push_back(append_us - append_before);
     if (stats.time_phases) {
-      select_steps.push_back(stats.select_us - before.select_us);
-      resolve_steps.push_back(stats.resolve_us - before.resolve_us);
-      attend_steps.push_back(stats.attend_us - before.attend_us);
+      select_steps.push_back(stats.select_us - stats_before.select_us);
+      resolve_steps.push_back(stats.resolve_us - stats_before.resolve_us);
+      attend_steps.push_back(stats.attend_us - stats_before.attend_us);
     }
     if (metrics) {
       metrics->ObserveStep(step_seconds * 1e6);
