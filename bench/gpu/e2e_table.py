@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The table of bench/gpu/e2e.sh: one row per e2e-<name>.json under a folder.
 
-Columns: step p50 (all layers), its breakdown (medians over the directly
+Columns: step p50 (all layers), its breakdown (means over the directly
 launched, phase-timed steps 1, 5, 9, ...), hit rate, host-link bytes per
 step, PCIe saved against dense offload, the measured dense-offload step and
 Quest's speedup over it, and — for a tiered run whose all-in-HBM twin ran

@@ -381,12 +381,14 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   // The CUDA backend's phases are timed on every 4th step from step 1 (a
   // timed step is launched directly, not replayed from its graph; step 0
   // pays the one-off costs: module loads, graph captures, list growth); the
-  // CPU's on all. Medians per step are reported.
+  // CPU's on all. Means per step are reported: the phases of a step add up
+  // to at most its time, and so do their means (medians would not).
   auto timed_step = [&](int64_t step) {
     if (o.config.backend != Backend::kCuda) return true;
     return o.decode_steps == 1 || step % 4 == 1;
   };
-  std::vector<double> append_steps, select_steps, resolve_steps, attend_steps, enqueue_steps;
+  int64_t timed_steps = 0;
+  std::vector<double> enqueue_steps;
   std::unique_ptr<DeviceStep> device;
   if (o.device_decode) {
     device = std::make_unique<DeviceStep>(g, B);
@@ -424,8 +426,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     // Diagnosed steps go through the host calls: they need the selections.
     const bool on_device = device && !diagnose;
     stats.time_phases = timed_step(step);
-    const AttendStats stats_before = stats;
-    const double append_before = append_us;
+    timed_steps += stats.time_phases;
     double step_seconds = 0;
     if (on_device) {
       for (int layer = 0; layer < g.layers; ++layer) {
@@ -470,12 +471,6 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
     }
     step_us.push_back(step_seconds * 1e6);
-    append_steps.push_back(append_us - append_before);
-    if (stats.time_phases) {
-      select_steps.push_back(stats.select_us - stats_before.select_us);
-      resolve_steps.push_back(stats.resolve_us - stats_before.resolve_us);
-      attend_steps.push_back(stats.attend_us - stats_before.attend_us);
-    }
     if (metrics) {
       metrics->ObserveStep(step_seconds * 1e6);
       TierStats t = rt.tier_stats();
@@ -498,8 +493,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
   r.comparison_hits = comparison_hits;
   r.comparison_misses = comparison_misses;
-  r.step_breakdown_us = {Summarise(append_steps).p50, Summarise(select_steps).p50, Summarise(resolve_steps).p50,
-                         Summarise(attend_steps).p50};
+  const double steps = std::max<double>(1, double(o.decode_steps));
+  const double timed = std::max<double>(1, double(timed_steps));
+  r.step_breakdown_us = {append_us / steps, stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
   r.enqueue_us = Summarise(std::move(enqueue_steps));
   r.head_pages_selected = stats.head_pages_selected;
   r.head_pages_total = stats.head_pages_total;
@@ -612,7 +608,7 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n", r.step_latency_us.p50,
        r.step_latency_us.p99, o.config.geometry.layers);
   const RunReport::Breakdown& bd = r.step_breakdown_us;
-  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (medians)\n",
+  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (means)\n",
        bd.append, bd.select, bd.resolve, bd.attend);
   if (o.device_decode)
     Line(out, "  host enqueue       p50 %.0f us of the step (the rest is the GPU finishing)\n", r.enqueue_us.p50);

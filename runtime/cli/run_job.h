@@ -53,7 +53,7 @@ struct RunReport {
   Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
   struct Breakdown {
     double append = 0, select = 0, resolve = 0, attend = 0;
-  } step_breakdown_us;             // medians per step: append over every step; select/resolve/attend over
+  } step_breakdown_us;             // means per step: append over every step; select/resolve/attend over
                                    // the timed steps (CUDA: steps 1, 5, 9, ..., launched directly to be
                                    // timed, the others replay graphs; the first step is a warm-up)
   // Device-pointer decode (RunOptions::device_decode): host time to enqueue a
