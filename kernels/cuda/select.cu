@@ -143,6 +143,49 @@ __device__ __forceinline__ void FoldKeyRange(RowState* st, bool todo, int row, u
   }
 }
 
+// kMax / kMean over a group's G scores, as select.cc aggregates them
+// (std::max in order; a sequential sum, then a division).
+template <int G>
+__device__ __forceinline__ float Aggregate(GqaAgg gqa, const float* score) {
+  float agg = score[0];
+  if (gqa == GqaAgg::kMax) {
+#pragma unroll
+    for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
+  } else {
+#pragma unroll
+    for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
+    agg = __fdiv_rn(agg, float(G));
+  }
+  return agg;
+}
+
+// U_p(q) of one head-page for the G query heads of its group (q: G rows of
+// D), read straight from its summary (lo = min, then max) with 16-byte
+// loads: ScorePagesCpu's arithmetic and order.
+template <typename QT, typename SumT, int D, int G>
+__device__ __forceinline__ void ScoreHeadPage(const SumT* lo, const QT* q, float* score) {
+  const SumT* hi = lo + D;
+  float acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
+#pragma unroll 4
+  for (int c = 0; c < D / 8; ++c) {
+    float mn[8], mx[8];
+    Load8(lo, c, mn);
+    Load8(hi, c, mx);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float qv[8];
+      Load8(q + g * D, c, qv);
+      FoldChunk8(acc[g], qv, mn, mx);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
+}
+
 // Writes a head-page's scores (kUnion: per query head; else aggregated) and
 // returns the aggregate.
 template <int G>
@@ -154,15 +197,7 @@ __device__ __forceinline__ float StoreScores(const SelectShape& s, float* scores
     for (int g = 0; g < G; ++g) out[(std::size_t)g * n + i] = score[g];
     return score[0];
   }
-  float agg = score[0];
-  if (s.gqa == GqaAgg::kMax) {
-#pragma unroll
-    for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
-  } else {
-#pragma unroll
-    for (int g = 1; g < G; ++g) agg = __fadd_rn(agg, score[g]);
-    agg = __fdiv_rn(agg, float(G));
-  }
+  const float agg = Aggregate<G>(s.gqa, score);
   scores[item] = agg;
   return agg;
 }
@@ -340,29 +375,9 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
     const ItemRef it = Locate<false>(p, base + (threadIdx.x & 31), slots, D);
     float agg = 0.f;
     if (it.valid) {
-      const SumT* lo = slab + it.off;
-      const SumT* hi = lo + D;
-      const QT* q = q_all + ((std::size_t)it.b * s.kv_heads * G + (std::size_t)it.h * G) * D;
-      float acc[G][8];
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int l = 0; l < 8; ++l) acc[g][l] = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < D / 8; ++c) {
-        float mn[8], mx[8];
-        Load8(lo, c, mn);
-        Load8(hi, c, mx);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float qv[8];
-          Load8(q + g * D, c, qv);
-          FoldChunk8(acc[g], qv, mn, mx);
-        }
-      }
       float score[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
+      ScoreHeadPage<QT, SumT, D, G>(slab + it.off, q_all + ((std::size_t)it.b * s.kv_heads * G + (std::size_t)it.h * G) * D,
+                                    score);
       agg = StoreScores<G>(s, scores, it.item, it.first, it.n, it.h, it.i, score);
     }
     if (st) FoldKeyRange(st, it.valid && !Skipped(PolicyFor(s, it.n), it.i), it.b * s.kv_heads + it.h, Key(agg));
@@ -1030,6 +1045,9 @@ __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const
 // the shared key cache of the cluster's first block (distributed shared
 // memory); after one cluster barrier that block radix-selects over the cached
 // keys and emits the row, as TopKKernel does. No score workspace, no memset.
+// (Up to 8192 pages, with a thread per page and SelectShortRow in the first
+// block, it was slower than score + top-K at 128K on the H200: 46 vs 38 us
+// a layer, bench/results/2026-11-29-gpu-session-7.md.)
 constexpr int kFuseBlocks = 8;
 constexpr int kFuseMaxPages = 2048;
 
@@ -1069,58 +1087,30 @@ __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThrea
   // first remote write).
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   bool waited = false;
-  {
-    // G threads per page, one query head each (consecutive lanes); the
-    // page's first lane aggregates the G scores in StoreScores' order.
-    constexpr int kPerPass = kTopKThreads / G;
-    uint32_t* dst = cluster.map_shared_rank(cache, 0);
-    const int chunk = (r.n + kFuseBlocks - 1) / kFuseBlocks;
-    const int i0 = int(rank) * chunk;
-    const int i1 = min(r.n, i0 + chunk);
-    const int g = int(threadIdx.x) % G;
-    const QT* q = static_cast<const QT*>(p.q) + ((std::size_t)b * s.kv_heads * G + (std::size_t)h * G + g) * D;
-    const SumT* slab = static_cast<const SumT*>(p.summaries);
-    for (int base = i0; base < i1; base += kPerPass) {  // same trip count in the whole block
-      const int i = base + int(threadIdx.x) / G;
-      const bool active = i < i1 && !Skipped(r, i);
-      float score = 0.f;
-      if (active) {
-        const SumT* lo = slab + ((std::size_t)ids[i] * s.kv_heads + h) * 2 * D;
-        const SumT* hi = lo + D;
-        float acc[8];
+  uint32_t* dst = cluster.map_shared_rank(cache, 0);
+  const int chunk = (r.n + kFuseBlocks - 1) / kFuseBlocks;
+  const int i0 = int(rank) * chunk;
+  const int i1 = min(r.n, i0 + chunk);
+  const SumT* slab = static_cast<const SumT*>(p.summaries);
+  // G threads per page, one query head each (consecutive lanes); the
+  // page's first lane aggregates the G scores in order.
+  constexpr int kPerPass = kTopKThreads / G;
+  const int g = int(threadIdx.x) % G;
+  const QT* q = static_cast<const QT*>(p.q) + (((std::size_t)b * s.kv_heads + h) * G + g) * D;
+  for (int base = i0; base < i1; base += kPerPass) {  // same trip count in the whole block
+    const int i = base + int(threadIdx.x) / G;
+    const bool active = i < i1 && !Skipped(r, i);
+    float score = 0.f;
+    if (active) ScoreHeadPage<QT, SumT, D, 1>(slab + ((std::size_t)ids[i] * s.kv_heads + h) * 2 * D, q, &score);
+    float sc[G];
+    sc[0] = score;
 #pragma unroll
-        for (int l = 0; l < 8; ++l) acc[l] = 0.f;
-#pragma unroll 4
-        for (int c = 0; c < D / 8; ++c) {
-          float mn[8], mx[8], qv[8];
-          Load8(lo, c, mn);
-          Load8(hi, c, mx);
-          Load8(q, c, qv);
-          FoldChunk8(acc, qv, mn, mx);
-        }
-        score = SumLanes8(acc);
-      }
-      float sc[G];
-      sc[0] = score;
-#pragma unroll
-      for (int gg = 1; gg < G; ++gg) sc[gg] = __shfl_down_sync(0xFFFFFFFFu, score, gg);
-      if (!waited) {
-        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-        waited = true;
-      }
-      if (active && g == 0) {
-        float agg = sc[0];  // StoreScores' aggregation, same order
-        if (s.gqa == GqaAgg::kMax) {
-#pragma unroll
-          for (int gg = 1; gg < G; ++gg) agg = agg < sc[gg] ? sc[gg] : agg;
-        } else {
-#pragma unroll
-          for (int gg = 1; gg < G; ++gg) agg = __fadd_rn(agg, sc[gg]);
-          agg = __fdiv_rn(agg, float(G));
-        }
-        dst[CacheSlot(i)] = Key(agg);
-      }
+    for (int gg = 1; gg < G; ++gg) sc[gg] = __shfl_down_sync(0xFFFFFFFFu, score, gg);
+    if (!waited) {
+      asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+      waited = true;
     }
+    if (active && g == 0) dst[CacheSlot(i)] = Key(Aggregate<G>(s.gqa, sc));
   }
   if (!waited) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
   cluster.sync();  // every key is in block 0's cache
@@ -1151,6 +1141,23 @@ __global__ void ClearMarks(uint8_t* marks, const int32_t* page_indptr, int batch
 }
 
 std::size_t AlignUp(std::size_t x) { return (x + 255) & ~std::size_t(255); }
+
+// Once per device and kernel: the largest key cache. The default limit
+// (48 KiB) counts the kernel's static shared memory (~19 KiB) too.
+template <auto kKernel>
+cudaError_t AllowKeyCache() {
+  constexpr int kMaxDevices = 64;
+  constexpr int kMaxSmem = (kMaxKeyCache + kMaxKeyCache / 32 + 1) * sizeof(uint32_t);
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t error[kMaxDevices] = {};
+  int dev = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (dev >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(once[dev], [dev] {
+    error[dev] = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+  });
+  return error[dev];
+}
 
 }  // namespace
 
@@ -1282,22 +1289,8 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
   const bool common = !s.dense && !unioned && !st && plan.max_pages <= plan.key_cache;
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
-  // Once per device, both top-K kernels may take the largest key cache: the
-  // default limit (48 KiB) counts their static shared memory (~19 KiB) too.
-  constexpr int kMaxDevices = 64;
-  static std::once_flag allowed[kMaxDevices];
-  static cudaError_t allow_error[kMaxDevices] = {};
-  int dev = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (dev >= kMaxDevices) return cudaErrorInvalidDevice;
-  std::call_once(allowed[dev], [dev] {
-    constexpr int kMaxSmem = (kMaxKeyCache + kMaxKeyCache / 32 + 1) * sizeof(uint32_t);
-    for (auto k : {TopKKernel<true>, TopKKernel<false>})
-      if (const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-          e != cudaSuccess)
-        allow_error[dev] = e;
-  });
-  if (allow_error[dev] != cudaSuccess) return allow_error[dev];
+  for (const cudaError_t e : {AllowKeyCache<TopKKernel<true>>(), AllowKeyCache<TopKKernel<false>>()})
+    if (e != cudaSuccess) return e;
   kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick, row_kth);
   if (row_kth) {
     const dim3 grid(chunks, rows);

@@ -214,8 +214,11 @@ INSTANTIATE_TEST_SUITE_P(
                       SelectCase{1, 2, 4, 128, 16, 512, GqaAgg::kMax, F16, F16, false, false, 2048},
                       SelectCase{2, 1, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 2000},
                       // Short rows in registers (SelectShortRow: 2049..8192 pages): Llama-3-8B at
-                      // 128K, many equal scores with kMean, and a budget above half the row.
+                      // 128K and one page past (after decode steps: the key cache's RangeKth),
+                      // many equal scores with kMean, and a budget above half the row.
                       SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8192},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8193},
+                      SelectCase{1, 2, 2, 64, 16, 9000, GqaAgg::kMean, BF16, BF16, true, false, 16384},
                       SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 5000},
                       SelectCase{3, 1, 1, 128, 16, 2049, GqaAgg::kMax, F32, F32, true, false, 4099},
                       // Rows in the key cache past 8192 keys (RangeKth), with ties; G = 4 at
