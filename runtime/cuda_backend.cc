@@ -230,9 +230,17 @@ class CudaBackendImpl final : public CudaBackend {
   // staging.
   Status Sync();
   Status GrowPages(Partition& P, int64_t len);
-  Status GrowList(uint32_t part);  // to its last_need
+  Status GrowList(uint32_t part);  // to its last_need, and toward its Target
   Status Shrink(uint32_t part, int64_t k);
-  Status Reclaim(int64_t want, uint32_t except);
+  // Frees slots until `want` are free (at least `must`), taking from lists
+  // other than `except`.
+  Status Reclaim(int64_t must, int64_t want, uint32_t except);
+  // An equal share of the pool's slots among live lists, and the slots a
+  // list aims to hold with it (see GrowList).
+  int64_t Share() const;
+  static int64_t Target(const Partition& P, int64_t share) {
+    return std::max(P.last_need, std::min(4 * P.last_need, share));
+  }
   Status ExtendList(uint32_t part, const std::vector<int32_t>& slots);
   Status AssignTail(uint32_t part, PageId page);
   Status RebuildSummary(const void* k_heads_host, PageId page, int len);
@@ -461,7 +469,7 @@ Status CudaBackendImpl::FlushUpdates() {
 
 Result<uint32_t> CudaBackendImpl::AddPartition() {
   const int H = g_.kv_heads;
-  QKV_RETURN_IF_ERROR(Reclaim(H, 0));
+  QKV_RETURN_IF_ERROR(Reclaim(H, H, 0));
   if (int64_t(free_.size()) < H)
     return Status::ResourceExhausted("hbm: no free slots for a new tail (" + std::to_string(slots_) + " slots)");
   uint32_t id;
@@ -519,24 +527,35 @@ Status CudaBackendImpl::SetPages(uint32_t part, std::span<const PageId> pages) {
   return Status::Ok();
 }
 
-// The list must hold `last_need` slots. A growing list also borrows up to three
-// times as many more while the pool has them free, so that it grows rarely and
-// caches beyond one step's selection; a list short of free slots takes back
-// what others hold beyond their last step's need, least recently used first.
+// The list must hold `last_need` slots. A growing list also aims at its
+// Target: up to three times as many more, so that it grows rarely and caches
+// beyond one step's selection, within an equal share of the pool (as the
+// tier model, tiers/hbm_cache.h, shares it). It takes free slots first, then
+// what other lists hold beyond their targets (pages left resident by
+// prefill: without this, the first layers prefilled kept the whole pool and
+// every later layer got exactly one step's selection, no cache at all), and
+// only for its need what others hold beyond their last step's need; least
+// recently used first.
+int64_t CudaBackendImpl::Share() const {
+  int64_t live = 0;
+  for (std::size_t q = 1; q < parts_.size(); ++q) live += parts_[q].live;
+  return (slots_ - int64_t(staging_.size())) / std::max<int64_t>(live, 1);
+}
+
 Status CudaBackendImpl::GrowList(uint32_t part) {
   Partition& P = parts_[part];
   const int64_t need = P.last_need;
   const int64_t have = int64_t(P.owned.size());
   if (have >= need) return Status::Ok();
   const int64_t add = need - have;
-  QKV_RETURN_IF_ERROR(Reclaim(add, part));
+  const int64_t want = std::max(add, Target(P, Share()) - have);
+  QKV_RETURN_IF_ERROR(Reclaim(add, want, part));
   if (int64_t(free_.size()) < add)
     return Status::ResourceExhausted("hbm too small: a (sequence, layer) needs " + std::to_string(need) +
                                      " head-page slots for one step's selection, " + std::to_string(have) +
                                      " held and " + std::to_string(free_.size()) + " free of " +
                                      std::to_string(slots_) + " (raise hbm_bytes or lower the budget)");
-  const int64_t extra = std::clamp<int64_t>(int64_t(free_.size()) - add, 0, 3 * need);
-  const int64_t take = add + extra;
+  const int64_t take = std::min<int64_t>(int64_t(free_.size()), want);
   std::vector<int32_t> fresh(free_.end() - take, free_.end());
   free_.resize(free_.size() - take);
   DevBuf list;
@@ -568,13 +587,18 @@ Status CudaBackendImpl::ExtendList(uint32_t part, const std::vector<int32_t>& sl
 }
 
 // Until `want` slots are free: lists give back what they hold beyond their
-// last step's need (pages cached on the side, or left resident by prefill).
-Status CudaBackendImpl::Reclaim(int64_t want, uint32_t except) {
-  for (uint32_t q = 1; q < parts_.size() && int64_t(free_.size()) < want; ++q) {
-    const Partition& Q = parts_[q];
-    const int64_t surplus = int64_t(Q.owned.size()) - Q.last_need;
-    if (q == except || !Q.live || surplus <= 0) continue;
-    QKV_RETURN_IF_ERROR(Shrink(q, std::min<int64_t>(surplus, want - int64_t(free_.size()))));
+// targets; then, until `must` are, what they hold beyond their last step's
+// need (pages cached on the side).
+Status CudaBackendImpl::Reclaim(int64_t must, int64_t want, uint32_t except) {
+  const int64_t share = Share();
+  for (const bool beyond_target : {true, false}) {
+    const int64_t goal = beyond_target ? want : must;
+    for (uint32_t q = 1; q < parts_.size() && int64_t(free_.size()) < goal; ++q) {
+      const Partition& Q = parts_[q];
+      if (q == except || !Q.live) continue;
+      const int64_t surplus = int64_t(Q.owned.size()) - (beyond_target ? Target(Q, share) : Q.last_need);
+      if (surplus > 0) QKV_RETURN_IF_ERROR(Shrink(q, std::min<int64_t>(surplus, goal - int64_t(free_.size()))));
+    }
   }
   return Status::Ok();
 }

@@ -209,6 +209,51 @@ TEST(CudaTiers, MostlyOnHostIsBitIdenticalToAllInHbm) {
   EXPECT_EQ(s.host_to_hbm_bytes, (s.hbm_misses) * int64_t(slot));
 }
 
+// Layers prefilled first keep the pages that fit in HBM; the layers decoded
+// after them must still get their share of the pool to cache in, not exactly
+// one step's selection. Two queries alternate at every layer, so each layer
+// selects two fixed sets (8 pages a row each): once both are in, a layer
+// whose list holds more than one step's need misses nothing. Counted from
+// step 4: layer 0 hits everything at step 0, so its list keeps prefill order
+// (an all-hit step does not reorder, kernels/cuda/resolve.cu), gives its
+// first slots to layer 2 and evicts by that order at step 1: a few of its
+// pages come back once more at step 2 (5, measured on the H200).
+TEST(CudaTiers, PrefillResidentListsShareThePoolWithLaterLayers) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config cfg = MakeConfig(Backend::kCuda, c);
+  cfg.policy.dense_layers = {};
+  const Geometry& g = cfg.geometry;
+  // Staging 128 + tails 6 + 200: layer 0 keeps its 128 head-pages from
+  // prefill, layer 1 the 72 left, layer 2 none. A list needs 16 per step.
+  cfg.hbm_bytes = (128 + 6 + 200) * std::size_t(2 * 16 * 64 * 2);
+  QKV_CREATE_CUDA(rt, cfg);
+  auto id = rt->CreateSequence();
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  const int64_t n = 64 * 16;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  for (int l = 0; l < g.layers; ++l) {
+    const auto k = Rounded(test::RandomNormal(n * row, 10 + l), c.dtype);
+    const auto v = Rounded(test::RandomNormal(n * row, 20 + l), c.dtype);
+    ASSERT_TRUE(rt->Append(*id, l, k.data(), v.data(), n).ok());
+  }
+  const std::size_t qn = std::size_t(g.q_heads) * g.head_dim;
+  std::vector<std::vector<float>> q;
+  for (int i = 0; i < 2 * g.layers; ++i) q.push_back(Rounded(test::RandomNormal(qn, 30 + i), c.dtype));
+  std::vector<float> out(qn);
+  int64_t misses_after_warmup = 0;
+  for (int step = 0; step < 14; ++step) {
+    if (step == 4) misses_after_warmup = rt->tier_stats().hbm_misses;
+    for (int l = 0; l < g.layers; ++l) {
+      const SeqId ids[] = {*id};
+      const Status s = rt->DecodeAttention(ids, l, q[2 * l + step % 2].data(), out.data());
+      ASSERT_TRUE(s.ok()) << "step " << step << " layer " << l << ": " << s.ToString();
+    }
+  }
+  EXPECT_GT(misses_after_warmup, 0);  // layers 1 and 2 started without their pages
+  EXPECT_EQ(rt->tier_stats().hbm_misses, misses_after_warmup) << "a layer re-fetched pages it had two steps ago";
+  EXPECT_GE(rt->tier_stats().hbm_evictions, 1);  // the pool was full
+}
+
 // Decode steps replayed from captured CUDA graphs give the bits of direct
 // launches, over the scenario's shape changes (page counts, list growth,
 // batches of 5 and 2) and with misses (a small HBM).
