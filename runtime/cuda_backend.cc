@@ -537,8 +537,7 @@ Status CudaBackendImpl::SetPages(uint32_t part, std::span<const PageId> pages) {
 // only for its need what others hold beyond their last step's need; least
 // recently used first.
 int64_t CudaBackendImpl::Share() const {
-  int64_t live = 0;
-  for (std::size_t q = 1; q < parts_.size(); ++q) live += parts_[q].live;
+  const int64_t live = int64_t(parts_.size()) - 1 - int64_t(free_parts_.size());  // partition 0 is never live
   return (slots_ - int64_t(staging_.size())) / std::max<int64_t>(live, 1);
 }
 
