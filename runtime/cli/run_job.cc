@@ -361,7 +361,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
   std::vector<float> k(row * B), v(row * B), q(qstride * B), out(qstride * B);
   std::vector<PageSelection> sels;
-  std::vector<double> step_us;
+  std::vector<double> step_us, instrumented_us;
   std::vector<float> dense_out(out.size());
   double append_us = 0;
   int64_t comparison_hits = 0, comparison_misses = 0;
@@ -386,6 +386,10 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   auto timed_step = [&](int64_t step) {
     if (o.config.backend != Backend::kCuda) return true;
     return o.decode_steps == 1 || step % 4 == 1;
+  };
+  // Whether timing the phases changed how the step ran (see step_latency_us).
+  auto instrumented = [&](int64_t step) {
+    return o.config.backend == Backend::kCuda && timed_step(step) && o.decode_steps > 1;
   };
   int64_t timed_steps = 0;
   std::vector<double> enqueue_steps;
@@ -428,6 +432,8 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     stats.time_phases = timed_step(step);
     timed_steps += stats.time_phases;
     double step_seconds = 0;
+    const TierStats step_before = rt.tier_stats();
+    const int64_t comparison_hits_before = comparison_hits, comparison_misses_before = comparison_misses;
     if (on_device) {
       for (int layer = 0; layer < g.layers; ++layer) {
         generate(layer, step);
@@ -470,13 +476,25 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       QKV_RETURN_IF_ERROR(count_offload(layer));
       if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
     }
-    step_us.push_back(step_seconds * 1e6);
-    if (metrics) {
-      metrics->ObserveStep(step_seconds * 1e6);
-      TierStats t = rt.tier_stats();
-      t.hbm_hits -= comparison_hits;
-      t.hbm_misses -= comparison_misses;
-      metrics->Publish(t);
+    (instrumented(step) ? instrumented_us : step_us).push_back(step_seconds * 1e6);
+    {
+      const TierStats after = rt.tier_stats();
+      RunReport::StepRecord rec;
+      rec.us = step_seconds * 1e6;
+      rec.instrumented = instrumented(step);
+      rec.query = batch.workloads[0].Target(step).kind;
+      rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
+      rec.misses = after.hbm_misses - step_before.hbm_misses - (comparison_misses - comparison_misses_before);
+      rec.host_link_bytes = (after.host_to_hbm_bytes - step_before.host_to_hbm_bytes) +
+                            (after.hbm_to_host_bytes - step_before.hbm_to_host_bytes);
+      r.steps.push_back(rec);
+      if (metrics) {
+        TierStats t = after;
+        t.hbm_hits -= comparison_hits;
+        t.hbm_misses -= comparison_misses;
+        metrics->ObserveStep(step_seconds * 1e6);
+        metrics->Publish(t);
+      }
     }
     r.pages_peak = std::max(r.pages_peak, rt.live_pages());
     if (!deferred.empty()) {
@@ -490,6 +508,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     bar.Update(step + 1);
   }
   r.step_latency_us = Summarise(std::move(step_us));
+  r.step_latency_instrumented_us = Summarise(std::move(instrumented_us));
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
   r.comparison_hits = comparison_hits;
   r.comparison_misses = comparison_misses;
@@ -578,6 +597,33 @@ void Line(std::string& out, const char* fmt, Args... args) {
 }
 double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
 int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
+
+// The steps of one query kind, summarised.
+struct KindSummary {
+  QueryKind kind = QueryKind::kRandom;
+  int steps = 0;
+  Percentiles us;
+  int64_t hits = 0, misses = 0, host_link_bytes = 0;
+};
+std::vector<KindSummary> ByQueryKind(const std::vector<RunReport::StepRecord>& steps) {
+  std::vector<KindSummary> out;
+  for (QueryKind kind : {QueryKind::kRecent, QueryKind::kTopic, QueryKind::kEntity, QueryKind::kReversal,
+                         QueryKind::kNeedle, QueryKind::kRandom}) {
+    KindSummary k;
+    k.kind = kind;
+    std::vector<double> us;
+    for (const RunReport::StepRecord& s : steps) {
+      if (s.query != kind) continue;
+      ++k.steps;
+      if (!s.instrumented) us.push_back(s.us);
+      k.hits += s.hits, k.misses += s.misses, k.host_link_bytes += s.host_link_bytes;
+    }
+    if (k.steps == 0) continue;  // (latency over its steps run as in production only)
+    k.us = Summarise(std::move(us));
+    out.push_back(k);
+  }
+  return out;
+}
 }  // namespace
 
 std::string FormatReport(const RunReport& r) {
@@ -605,8 +651,11 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  decode calls       %s\n",
        o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed steps: host floats)"
                        : "host floats, each call waits for its output");
-  Line(out, "  step latency       p50 %.0f us, p99 %.0f us (all %d layers, whole batch)\n", r.step_latency_us.p50,
-       r.step_latency_us.p99, o.config.geometry.layers);
+  Line(out, "  step latency       p50 %.0f us, p99 %.0f us, mean %.0f us (all %d layers, whole batch)\n",
+       r.step_latency_us.p50, r.step_latency_us.p99, r.step_latency_us.mean, o.config.geometry.layers);
+  if (r.step_latency_instrumented_us.p50 > 0)
+    Line(out, "                     steps timed phase by phase (launched directly, not replayed): p50 %.0f us, "
+              "kept out of the above\n", r.step_latency_instrumented_us.p50);
   const RunReport::Breakdown& bd = r.step_breakdown_us;
   Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (means)\n",
        bd.append, bd.select, bd.resolve, bd.attend);
@@ -637,6 +686,10 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  hbm cache          hits %lld, misses %lld (%.1f%% hit), evictions %lld, read in place %lld\n",
        static_cast<long long>(t.hbm_hits), static_cast<long long>(t.hbm_misses), Pct(t.hbm_hits, t.hbm_hits + t.hbm_misses),
        static_cast<long long>(t.hbm_evictions), static_cast<long long>(t.hbm_bypasses));
+  for (const KindSummary& k : ByQueryKind(r.steps))
+    Line(out, "  %-18s %d steps, p50 %.0f us, host link %s a step, %.1f%% hit\n",
+         ("query " + std::string(QueryKindName(k.kind))).c_str(), k.steps, k.us.p50,
+         Mib(k.host_link_bytes / k.steps).c_str(), Pct(k.hits, k.hits + k.misses));
   Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld "
        "(%lld ahead of need), I/O errors %lld, corruptions %lld\n",
        static_cast<long long>(t.cold_misses), static_cast<long long>(t.cold_stalls),
@@ -743,6 +796,11 @@ std::string ReportJson(const RunReport& r) {
       .Field("p99", r.step_latency_us.p99)
       .Field("mean", r.step_latency_us.mean)
       .EndObject();
+  j.BeginObject("step_latency_instrumented_us")
+      .Field("p50", r.step_latency_instrumented_us.p50)
+      .Field("p99", r.step_latency_instrumented_us.p99)
+      .Field("mean", r.step_latency_instrumented_us.mean)
+      .EndObject();
   j.BeginObject("enqueue_us").Field("p50", r.enqueue_us.p50).Field("p99", r.enqueue_us.p99).EndObject();
   j.BeginObject("step_breakdown_us")
       .Field("append", r.step_breakdown_us.append)
@@ -765,6 +823,29 @@ std::string ReportJson(const RunReport& r) {
         .Field("quest_speedup", r.step_latency_us.p50 > 0 ? step_us / r.step_latency_us.p50 : 0.0)
         .EndObject();
   }
+  j.BeginArray("by_query");
+  for (const KindSummary& k : ByQueryKind(r.steps))
+    j.BeginObject()
+        .Field("query", QueryKindName(k.kind))
+        .Field("steps", k.steps)
+        .Field("p50_us", k.us.p50)
+        .Field("mean_us", k.us.mean)
+        .Field("hits", k.hits)
+        .Field("misses", k.misses)
+        .Field("host_link_bytes", k.host_link_bytes)
+        .EndObject();
+  j.EndArray();
+  j.BeginArray("per_step");
+  for (const RunReport::StepRecord& s : r.steps)
+    j.BeginObject()
+        .Field("us", s.us)
+        .Field("instrumented", s.instrumented)
+        .Field("query", QueryKindName(s.query))
+        .Field("hits", s.hits)
+        .Field("misses", s.misses)
+        .Field("host_link_bytes", s.host_link_bytes)
+        .EndObject();
+  j.EndArray();
   j.Field("prefill_seconds", r.prefill_seconds);
   j.Field("decode_api", o.device_decode ? "device" : "host");
   j.Field("output_digest", Hex(r.output_digest));

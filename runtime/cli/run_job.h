@@ -50,7 +50,13 @@ struct RunReport {
   RunOptions options;
   std::string topology;
   double prefill_seconds = 0;
-  Percentiles step_latency_us;     // append + select + attend, all layers, whole batch
+  // Append + select + attend, all layers, whole batch. CUDA backend: over
+  // the steps replayed as a production engine runs them; the steps launched
+  // directly with events between the phases (for step_breakdown_us) pay
+  // launch costs a graph does not (~1 ms at 32 layers) and are summarised
+  // apart in step_latency_instrumented_us. CPU backend: every step.
+  Percentiles step_latency_us;
+  Percentiles step_latency_instrumented_us;
   struct Breakdown {
     double append = 0, select = 0, resolve = 0, attend = 0;
   } step_breakdown_us;             // means per step: append over every step; select/resolve/attend over
@@ -91,6 +97,17 @@ struct RunReport {
   double slack_mean = 0;
   double exact_pages_read_fraction = 0;  // branch-and-bound pages read / pages
   uint64_t output_digest = 0;      // FNV-1a over every decode output, in order
+  // Every decode step, in order: where a run's time and traffic go step by
+  // step (a structured workload's topic and needle steps miss far more than
+  // its recent ones).
+  struct StepRecord {
+    double us = 0;                        // as step_latency_us
+    bool instrumented = false;            // in step_latency_instrumented_us, not step_latency_us
+    QueryKind query = QueryKind::kRandom;  // what sequence 0's queries aim at
+    int64_t hits = 0, misses = 0;         // HBM cache lookups (dense comparisons excluded)
+    int64_t host_link_bytes = 0;          // host->hbm + hbm->host (diagnostics' reads excluded)
+  };
+  std::vector<StepRecord> steps;
 };
 
 Result<RunReport> RunJob(const RunOptions& options);

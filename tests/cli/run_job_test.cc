@@ -95,6 +95,25 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_GT(rb->tiers.cold_stalls, 0);
   EXPECT_LE(rb->tiers.hbm_peak_bytes, rb->tiers.hbm_capacity_bytes);
   EXPECT_LE(rb->tiers.host_peak_bytes, rb->tiers.host_capacity_bytes);
+  // The per-step records add up to the run's totals, step by step in order.
+  ASSERT_EQ(rb->steps.size(), 6u);
+  int64_t hits = 0, misses = 0, link = 0;
+  for (std::size_t s = 0; s < rb->steps.size(); ++s) {
+    const RunReport::StepRecord& rec = rb->steps[s];
+    EXPECT_GT(rec.us, 0);
+    EXPECT_EQ(rec.query, Workload::Create(b.config.geometry, {b.workload, b.seed, 2000, 6})->Target(int64_t(s)).kind);
+    hits += rec.hits, misses += rec.misses, link += rec.host_link_bytes;
+  }
+  EXPECT_EQ(hits, rb->tiers.hbm_hits);
+  EXPECT_EQ(misses, rb->tiers.hbm_misses);
+  EXPECT_EQ(link, rb->bytes_moved.host_to_hbm + rb->bytes_moved.hbm_to_host);
+  EXPECT_GT(misses, 0);
+  // The CPU backend's phases are timed on every step without changing how it runs.
+  for (const RunReport::StepRecord& rec : rb->steps) EXPECT_FALSE(rec.instrumented);
+  EXPECT_EQ(rb->step_latency_instrumented_us.p50, 0);
+  const std::string json = ReportJson(*rb);
+  EXPECT_NE(json.find("\"per_step\":[{\"us\":"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"by_query\":[{\"query\":\"recent\""), std::string::npos) << json;
   // Deadline: runs to completion, skips instead of stalling.
   b.config.cold_miss = ColdMissPolicy::kDeadline;
   auto rc = RunJob(b);
