@@ -18,6 +18,8 @@ thread_local std::string g_last_error;
 
 template <typename KvT, typename SumT>
 __global__ void AppendKernel(AppendParams p) {
+  ChainWait();
+  ChainRelease();
   const int j = blockIdx.x;  // touched page, counted from the first
   const int h = blockIdx.y;
   const int b = blockIdx.z;
@@ -95,7 +97,8 @@ cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   const int threads = p.head_dim < 256 ? p.head_dim : 256;
   QKV_DISPATCH_DTYPE(p.kv_dtype, KvT, {
     QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
-      AppendKernel<KvT, SumT><<<grid, threads, 0, stream>>>(p);
+      if (const cudaError_t e = LaunchChained(AppendKernel<KvT, SumT>, grid, dim3(threads), 0, stream, p); e != cudaSuccess)
+        return e;
     })
   })
   return cudaGetLastError();

@@ -116,6 +116,8 @@ inline constexpr int kMaxSplits = kAttendWarps * 64;
 template <typename T, int D, int S, int G>
 __global__ void __launch_bounds__(kAttendWarps * 32)
     AttendKernel(AttendParams p, int kv_heads, int pps, int splits, PartialView part) {
+  ChainWait();
+  ChainRelease();
   using Tr = AttendTraits<T, D, S, G>;
   constexpr int kTx = Tr::kTx, kTy = Tr::kTy, kR = Tr::kR, kNv = Tr::kNv, kE = Tr::kE, kVec = Tr::kVec;
   __shared__ float sh_o[kAttendWarps][G][D];
@@ -310,8 +312,10 @@ cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cud
   QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
     QKV_DISPATCH_PAGE_SIZE(s.page_size, S, {
       QKV_DISPATCH_GROUP(s.group, G, {
-        AttendKernel<T, D, S, G>
-            <<<grid, kAttendWarps * 32, 0, stream>>>(p, s.kv_heads, plan.pages_per_split, plan.splits, part);
+        if (const cudaError_t e = LaunchChained(AttendKernel<T, D, S, G>, grid, dim3(kAttendWarps * 32), 0, stream, p,
+                                                s.kv_heads, plan.pages_per_split, plan.splits, part);
+            e != cudaSuccess)
+          return e;
       })
     })
   })

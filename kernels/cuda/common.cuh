@@ -3,9 +3,12 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 namespace questkv::kernels::cuda {
 
@@ -70,6 +73,55 @@ __device__ __forceinline__ void CommitCopies() { asm volatile("cp.async.commit_g
 template <int kPending>
 __device__ __forceinline__ void WaitCopies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ---- programmatic dependent launch (sm_90) ----------------------------------
+// A decode step's layer is a chain of ~9 small kernels (append, score, top-K,
+// the resolve's five, attention), each waiting for the one before. Launched
+// with LaunchChained, a kernel's blocks may be scheduled while the kernel
+// before it in the stream still runs, and start the moment it completes (its
+// memory visible) instead of after the launch gap. The rule: a chained
+// kernel calls ChainWait() before anything else (it returns once the
+// previous kernel has completed, so nothing it reads is stale), then
+// ChainRelease() (its own successor may now be scheduled). Both are no-ops
+// when the kernel was launched without the attribute: before sm_90, after a
+// non-kernel operation (a memset, an event), or with QUESTKV_NO_PDL=1 (the
+// same binary measured both ways).
+__device__ __forceinline__ void ChainWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void ChainRelease() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool ChainingEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("QUESTKV_NO_PDL");
+    return !(v && v[0] == '1');
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), chained to the kernel
+// before it (see above). The kernel must start with ChainWait().
+template <typename... Params, typename... Args>
+cudaError_t LaunchChained(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = ChainingEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace questkv::kernels::cuda

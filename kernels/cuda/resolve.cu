@@ -4,9 +4,11 @@
 //     (claim the residency cell with atomicMin: the lowest entry owns it;
 //     each sequence counts its misses).
 //  2. AssignKernel, a block per sequence with misses (the others return at
-//     once): block scans rank the owned misses and the eligible slots of the
-//     partition's list; the k-th miss takes the k-th eligible slot; the rest
-//     bypass; then a stable reorder of the list.
+//     once): block scans rank the owned misses, then, in one pass over the
+//     partition's list (4096 slots a block scan), the eligible slots and the
+//     slots left unused; the k-th miss takes the k-th eligible slot; the rest
+//     bypass; each slot goes to its place in the stable reorder of the list
+//     (staged in the workspace, copied back at the end).
 //     Blocks touch disjoint slots and disjoint residency cells (a claimed cell
 //     is never resident, an evicted one was not selected this step).
 //  3. FinalizeKernel, a block per row: compacts the slots to attend in entry
@@ -35,6 +37,7 @@ namespace {
 constexpr int kClassifyThreads = 256;
 constexpr int kFinalizeThreads = 512;
 constexpr int kAssignThreads = 1024;  // one block walks a sequence's list: few rounds
+constexpr int kAssignItems = 4;       // list slots a thread holds per round: 4096 a block scan
 constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
@@ -46,7 +49,8 @@ struct Workspace {
   int32_t* head;      // [entries]
   int32_t* state;     // [entries]
   int32_t* owned;     // [entries] owned misses of each sequence, in entry order, from its first entry
-  int32_t* list;      // [list_slots] copy of part_slots
+  int32_t* unused;    // [list_slots] each list at its offset: its reordered front (slots not used this step)
+  int32_t* used;      // [list_slots] likewise its back (slots used this step: hit or filled), list order
   GatherJob* jobs;    // [entries]
   int32_t* job_count; // [1]
   int32_t* misses;    // [batch] entries classified as misses, per sequence
@@ -67,7 +71,8 @@ Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, std:
   w.head = reinterpret_cast<int32_t*>(take(entries * 4));
   w.state = reinterpret_cast<int32_t*>(take(entries * 4));
   w.owned = reinterpret_cast<int32_t*>(take(entries * 4));
-  w.list = reinterpret_cast<int32_t*>(take(list_slots * 4));
+  w.unused = reinterpret_cast<int32_t*>(take(list_slots * 4));
+  w.used = reinterpret_cast<int32_t*>(take(list_slots * 4));
   w.jobs = reinterpret_cast<GatherJob*>(take(entries * sizeof(GatherJob)));
   w.job_count = reinterpret_cast<int32_t*>(take(4));
   w.misses = reinterpret_cast<int32_t*>(take(std::size_t(batch) * 4));
@@ -92,6 +97,8 @@ __device__ inline int64_t StepOf(const ResolveParams& p) { return p.step_ptr ? *
 
 __global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count, int32_t* misses,
                             int batch) {
+  ChainWait();
+  ChainRelease();
   if (threadIdx.x == 0) {
     *cold_count = 0;
     *bypass_count = 0;
@@ -114,6 +121,8 @@ __device__ inline int RowOf(const int32_t* indptr, int rows, int e) {
 
 __global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams p, Workspace w, Dims d,
                                                                    int entries) {
+  ChainWait();
+  ChainRelease();
   const int e = blockIdx.x * kClassifyThreads + threadIdx.x;
   const int rows = d.batch * d.kv_heads;
   bool miss = false;
@@ -151,6 +160,8 @@ __global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams
 }
 
 __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, Workspace w, Dims d) {
+  ChainWait();
+  ChainRelease();
   const int64_t step = StepOf(p);
   using Scan = cub::BlockScan<int, kAssignThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -181,73 +192,84 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
   }
   if (owners == 0) return;  // every miss lost its claim to another sequence's entry
 
-  // Eligible slots in list order take the owned misses in order. Each slot
-  // is copied to w.list, complemented (< 0) when it is used this step (hit,
-  // or filled here), for the reorder below: a slot's recency changes in
-  // this pass only by this block's fills (lists are disjoint).
+  // One pass over the list, kAssignItems consecutive slots a thread: the
+  // eligible slots (neither pinned nor used this step) in list order take
+  // the owned misses in order, and each slot is staged at its place in the
+  // reordered list — not used this step first, then used (hit, or filled
+  // here), each in list order. One block scan a round counts both, packed
+  // in 16-bit halves (a round holds at most 4096 slots): before a slot,
+  //   eligible = (packed >> 16), not used before the pass = (packed & 0xFFFF),
+  // and, the filled slots being the first `owners` eligible ones,
+  //   unused after the pass = not used before - min(eligible, owners).
+  // A slot's recency changes in this pass only by this block's fills
+  // (lists are disjoint).
+  constexpr int kRound = kAssignThreads * kAssignItems;
   const int l_begin = p.part_indptr[b], l_end = p.part_indptr[b + 1];
   int32_t* const part = p.part_lists ? p.part_lists[b] - l_begin : p.part_slots;  // indexed by i
-  int cands = 0, unused_total = 0;
-  for (int base = l_begin; base < l_end; base += kAssignThreads) {
-    const int i = base + tid;
-    int elig = 0;
-    bool used = false;
-    int32_t s = -1;
-    if (i < l_end) {
-      s = part[i];
-      used = p.slot_last_use[s] == step;
-      elig = !p.slot_pinned[s] && !used;
+  int cands = 0, free_before = 0;  // over the rounds done: eligible slots, slots not used before the pass
+  for (int base = l_begin; base < l_end; base += kRound) {
+    int32_t s[kAssignItems];
+    bool was_used[kAssignItems], elig[kAssignItems];
+    int packed = 0;
+#pragma unroll
+    for (int j = 0; j < kAssignItems; ++j) {
+      const int i = base + tid * kAssignItems + j;
+      s[j] = i < l_end ? part[i] : -1;
     }
-    int rank, total;
-    Scan(scan_tmp).ExclusiveSum(elig, rank, total);
-    const int take = min(total, max(owners - cands, 0));
+#pragma unroll
+    for (int j = 0; j < kAssignItems; ++j) {
+      was_used[j] = s[j] >= 0 && p.slot_last_use[s[j]] == step;
+      elig[j] = s[j] >= 0 && !was_used[j] && !p.slot_pinned[s[j]];
+      packed += (int(elig[j]) << 16) + int(s[j] >= 0 && !was_used[j]);
+    }
+    int prefix, total;
+    Scan(scan_tmp).ExclusiveSum(packed, prefix, total);
+    const int round_elig = total >> 16;
+    const int take = min(round_elig, max(owners - cands, 0));
     if (take > 0 && tid == 0) job_base = atomicAdd(w.job_count, take);
     __syncthreads();
-    if (elig && rank < take) {
-      const int e = w.owned[e_begin + cands + rank];
-      const uint32_t page = w.page[e];
-      const int h = w.head[e];
-      const uint32_t old = p.slot_page[s];
-      if (old != kEmptySlot) {
-        p.hbm_slot[std::size_t(old) * H + p.slot_head[s]] = -1;
-        atomicAdd(&evictions, 1ull);
+    int e_rank = cands + (prefix >> 16), f_rank = free_before + (prefix & 0xFFFF);
+#pragma unroll
+    for (int j = 0; j < kAssignItems; ++j) {
+      if (s[j] < 0) break;
+      const int i = base + tid * kAssignItems + j;
+      const bool taken = elig[j] && e_rank < owners;
+      const int unused_rank = f_rank - min(e_rank, owners);
+      if (taken) {
+        const int e = w.owned[e_begin + e_rank];
+        const uint32_t page = w.page[e];
+        const int h = w.head[e];
+        const uint32_t old = p.slot_page[s[j]];
+        if (old != kEmptySlot) {
+          p.hbm_slot[std::size_t(old) * H + p.slot_head[s[j]]] = -1;
+          atomicAdd(&evictions, 1ull);
+        }
+        p.slot_page[s[j]] = page;
+        p.slot_head[s[j]] = h;
+        p.slot_last_use[s[j]] = step;
+        p.hbm_slot[std::size_t(page) * H + h] = s[j];
+        const char* home = static_cast<const char*>(p.host_addr[page]);
+        char* const dst = static_cast<char*>(p.slots) + std::size_t(s[j]) * 2 * d.piece_bytes;
+        w.jobs[job_base + (e_rank - cands)] =
+            GatherJob{home + std::size_t(h) * d.piece_bytes, home + std::size_t(H + h) * d.piece_bytes, dst};
       }
-      p.slot_page[s] = page;
-      p.slot_head[s] = h;
-      p.slot_last_use[s] = step;
-      p.hbm_slot[std::size_t(page) * H + h] = s;
-      const char* home = static_cast<const char*>(p.host_addr[page]);
-      w.jobs[job_base + rank] = GatherJob{home + std::size_t(h) * d.piece_bytes,
-                                          home + std::size_t(H + h) * d.piece_bytes,
-                                          static_cast<char*>(p.slots) + std::size_t(s) * 2 * d.piece_bytes};
-      used = true;
+      if (was_used[j] || taken) w.used[i - unused_rank] = s[j];  // (the list's own range of the workspace)
+      else w.unused[l_begin + unused_rank] = s[j];
+      e_rank += elig[j];
+      f_rank += !was_used[j];
     }
-    if (i < l_end) w.list[i] = used ? ~s : s;
-    cands += total;
-    unused_total += __syncthreads_count(i < l_end && !used);  // and the barrier before scan_tmp's reuse
+    cands += round_elig;
+    free_before += total & 0xFFFF;
+    __syncthreads();  // scan_tmp and job_base are reused
   }
   // Owners past the eligible slots: bypass, the claim released.
   for (int k = cands + tid; k < owners; k += kAssignThreads) {
     const int e = w.owned[e_begin + k];
     p.hbm_slot[std::size_t(w.page[e]) * H + w.head[e]] = -1;
   }
-  __syncthreads();
-
-  // Stable reorder: not used this step first, then used, each in old order.
-  int unused_before = 0;
-  for (int base = l_begin; base < l_end; base += kAssignThreads) {
-    const int i = base + tid;
-    const int32_t v = i < l_end ? w.list[i] : 0;
-    const int unused = i < l_end && v >= 0;
-    int rank, total;
-    Scan(scan_tmp).ExclusiveSum(unused, rank, total);
-    if (i < l_end) {
-      const int pos = unused ? unused_before + rank : unused_total + (i - l_begin - unused_before - rank);
-      part[l_begin + pos] = unused ? v : ~v;
-    }
-    unused_before += total;
-    __syncthreads();
-  }
+  const int unused_total = free_before - min(cands, owners);
+  for (int k = tid; k < l_end - l_begin; k += kAssignThreads)
+    part[l_begin + k] = k < unused_total ? w.unused[l_begin + k] : w.used[l_begin + k - unused_total];
   if (tid == 0) {
     const int filled = min(owners, cands);
     if (evictions) atomicAdd(&p.counters->evictions, evictions);
@@ -274,6 +296,8 @@ __device__ inline int WarpPush(bool push, const ResolveRequest& r, ResolveReques
 }
 
 __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(ResolveParams p, Workspace w, Dims d) {
+  ChainWait();
+  ChainRelease();
   using Scan = cub::BlockScan<int, kFinalizeThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   const int row = blockIdx.x;
@@ -325,6 +349,8 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(ResolveParams
 __global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* __restrict__ jobs,
                                                                const int32_t* __restrict__ job_count,
                                                                uint32_t piece_vecs) {
+  ChainWait();
+  ChainRelease();
   const uint32_t job_vecs = 2 * piece_vecs;
   const uint32_t total = uint32_t(*job_count) * job_vecs;
   const uint32_t stride = gridDim.x * blockDim.x;
@@ -397,8 +423,8 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
     std::call_once(carveout[dev], [] {
       cudaFuncSetAttribute(GatherKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     });
-  GatherKernel<<<blocks, kGatherThreads, 0, stream>>>(jobs, job_count, uint32_t(piece_bytes / 16));
-  return cudaGetLastError();
+  return LaunchChained(GatherKernel, dim3(blocks), dim3(kGatherThreads), 0, stream, jobs, job_count,
+                       uint32_t(piece_bytes / 16));
 }
 
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
@@ -407,13 +433,16 @@ cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaS
   const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, nullptr);
   const int rows = s.batch * s.kv_heads;
   const int entries = int(plan.entries);
-  ResetKernel<<<1, 256, 0, stream>>>(p.cold_count, p.bypass_count, w.job_count, w.misses, s.batch);
-  if (entries > 0)
-    ClassifyKernel<<<(entries + kClassifyThreads - 1) / kClassifyThreads, kClassifyThreads, 0, stream>>>(p, w, d,
-                                                                                                      entries);
-  AssignKernel<<<s.batch, kAssignThreads, 0, stream>>>(p, w, d);
-  FinalizeKernel<<<rows, kFinalizeThreads, 0, stream>>>(p, w, d);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const cudaError_t launched[] = {
+      LaunchChained(ResetKernel, dim3(1), dim3(256), 0, stream, p.cold_count, p.bypass_count, w.job_count, w.misses,
+                    s.batch),
+      entries > 0 ? LaunchChained(ClassifyKernel, dim3((entries + kClassifyThreads - 1) / kClassifyThreads),
+                                  dim3(kClassifyThreads), 0, stream, p, w, d, entries)
+                  : cudaSuccess,
+      LaunchChained(AssignKernel, dim3(s.batch), dim3(kAssignThreads), 0, stream, p, w, d),
+      LaunchChained(FinalizeKernel, dim3(rows), dim3(kFinalizeThreads), 0, stream, p, w, d)};
+  for (const cudaError_t e : launched)
+    if (e != cudaSuccess) return e;
   return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream);
 }
 

@@ -288,6 +288,8 @@ __device__ __forceinline__ ItemRef Locate(const SelectParams& p, long long slot,
 // block barrier: a warp's loop is its own.
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, float* scores, RowState* st) {
+  ChainWait();
+  ChainRelease();
   using T = Tile<SumT>;
   constexpr int kPhases = D / T::kPhaseDims;
   __shared__ __align__(16) unsigned char tiles[kScoreWarps][2][T::kBytes];
@@ -366,6 +368,8 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
 // uncoalesced reads better than the staged kernel, measured).
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* scores, RowState* st) {
+  ChainWait();
+  ChainRelease();
   const SelectShape& s = p.shape;
   const long long slots = ScoreSlots<false>(p.page_indptr[s.batch], s.batch, s.kv_heads);
   const QT* q_all = static_cast<const QT*>(p.q);
@@ -555,6 +559,8 @@ using HistScan = cub::BlockScan<int, kHistThreads>;
 
 __global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const float* scores, RowState* st,
                                                           uint32_t* ghist, int2* pick) {
+  ChainWait();
+  ChainRelease();
   __shared__ uint32_t hist[kBins];
   __shared__ typename HistScan::TempStorage scan;
   __shared__ bool last;
@@ -772,6 +778,8 @@ template <bool kCachedMaxMean>
 __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, int key_cache, float* scores,
                                                             uint8_t* marks, const RowState* st, const int2* pick,
                                                             int4* row_kth) {
+  ChainWait();
+  ChainRelease();
   extern __shared__ uint32_t cache[];
   __shared__ TopKShared sh;
   __shared__ uint32_t cand[kCandCap + kCandCap / 32 + 1];  // RangeKth's
@@ -940,6 +948,8 @@ __device__ __forceinline__ EmitRow EmitRowOf(const SelectParams& p, const float*
 
 __global__ void __launch_bounds__(kEmitThreads) EmitCountKernel(SelectParams p, const float* scores,
                                                                 const int4* row_kth, int2* counts) {
+  ChainWait();
+  ChainRelease();
   __shared__ typename cub::BlockReduce<int, kEmitThreads>::TempStorage red;
   const int row = blockIdx.y;
   const int4 rk = row_kth[row];
@@ -966,6 +976,8 @@ __global__ void __launch_bounds__(kEmitThreads) EmitCountKernel(SelectParams p, 
 
 __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const float* scores, const int4* row_kth,
                                                            const int2* counts) {
+  ChainWait();
+  ChainRelease();
   __shared__ typename EmitScan::TempStorage scan;
   __shared__ int base_out, base_eq, total_out;
   const int row = blockIdx.y;
@@ -1270,11 +1282,17 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
               const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
               const long long groups = (std::max(slots, 1LL) + 31) / 32;
               const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
-              ScoreKernel<QT, SumT, D, G><<<blocks, kScoreWarps * 32, 0, stream>>>(p, scores, st);
+              if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
+                                                      stream, p, scores, st);
+                  e != cudaSuccess)
+                return e;
             } else {
               const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
               const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
-              ScoreKernelDirect<QT, SumT, D, G><<<blocks, 256, 0, stream>>>(p, scores, st);
+              if (const cudaError_t e =
+                      LaunchChained(ScoreKernelDirect<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream, p, scores, st);
+                  e != cudaSuccess)
+                return e;
             }
           })
         })
@@ -1283,7 +1301,9 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     if (marks) ClearMarks<<<plan.score_blocks, 256, 0, stream>>>(marks, p.page_indptr, s.batch, s.kv_heads);
     if (st) {
       const dim3 grid((plan.max_pages + kHistChunk - 1) / kHistChunk, rows);
-      HistKernel<<<grid, kHistThreads, 0, stream>>>(p, scores, st, ghist, pick);
+      if (const cudaError_t e = LaunchChained(HistKernel, grid, dim3(kHistThreads), 0, stream, p, scores, st, ghist, pick);
+          e != cudaSuccess)
+        return e;
     }
   }
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
@@ -1291,11 +1311,16 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
   for (const cudaError_t e : {AllowKeyCache<TopKKernel<true>>(), AllowKeyCache<TopKKernel<false>>()})
     if (e != cudaSuccess) return e;
-  kernel<<<rows, kTopKThreads, smem, stream>>>(p, s.dense ? 0 : plan.key_cache, scores, marks, st, pick, row_kth);
+  if (const cudaError_t e = LaunchChained(kernel, dim3(rows), dim3(kTopKThreads), smem, stream, p,
+                                          s.dense ? 0 : plan.key_cache, scores, marks, st, pick, row_kth);
+      e != cudaSuccess)
+    return e;
   if (row_kth) {
     const dim3 grid(chunks, rows);
-    EmitCountKernel<<<grid, kEmitThreads, 0, stream>>>(p, scores, row_kth, chunk_counts);
-    EmitKernel<<<grid, kEmitThreads, 0, stream>>>(p, scores, row_kth, chunk_counts);
+    for (const cudaError_t e :
+         {LaunchChained(EmitCountKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth, chunk_counts),
+          LaunchChained(EmitKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth, chunk_counts)})
+      if (e != cudaSuccess) return e;
   }
   return cudaGetLastError();
 }

@@ -322,7 +322,11 @@ INSTANTIATE_TEST_SUITE_P(
                       ResolveCase{23, 2, 16, 128, DType::kF16, 30, 25, 16, 0.3, 12},
                       ResolveCase{5, 2, 8, 16, DType::kF32, 9, 3, 8, 0.0, 8},
                       // many misses: 1000+ entries and 600+ slots per sequence (several block chunks)
-                      ResolveCase{4, 8, 16, 128, DType::kF16, 256, 600, 160, 0.05, 64}));
+                      ResolveCase{4, 8, 16, 128, DType::kF16, 256, 600, 160, 0.05, 64},
+                      // lists of 9000+ slots (three 4096-slot rounds of the assign), thousands of misses
+                      ResolveCase{2, 8, 16, 32, DType::kF16, 2048, 9000, 600, 0.05, 64},
+                      // more misses than eligible slots across rounds: bypasses past the second round
+                      ResolveCase{1, 4, 16, 32, DType::kF32, 3000, 5000, 1500, 0.0, 0}));
 
 }  // namespace
 }  // namespace questkv::kernels::cuda::test
