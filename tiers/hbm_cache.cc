@@ -1,5 +1,6 @@
 #include "tiers/hbm_cache.h"
 
+#include <algorithm>
 #include <cassert>
 
 namespace questkv {
@@ -39,7 +40,8 @@ uint32_t HbmCache::AddPartition() {
 // partition, where it lands when unpinned.
 void HbmCache::RemovePartition(uint32_t partition) {
   assert(partition != kOrphan && parts_[partition].live);
-  while (parts_[partition].lru != kNone) Evict(parts_[partition].lru);
+  for (List* l : {&parts_[partition].probation, &parts_[partition].guarded})
+    while (l->lru != kNone) Evict(l->lru);
   for (Slot& slot : slots_)
     if (slot.pinned && slot.partition == partition) slot.partition = kOrphan;
   parts_[partition].live = false;
@@ -52,24 +54,27 @@ uint32_t HbmCache::Share() const {
   return live_parts_ ? (unpinned + live_parts_ - 1) / live_parts_ : unpinned;
 }
 
+// Most recent end of its list (by slot.guarded).
 void HbmCache::Link(int32_t s) {
   Slot& slot = slots_[s];
-  Partition& p = parts_[slot.partition];
+  List& l = ListOf(slot);
   slot.prev = kNone;
-  slot.next = p.mru;
-  if (p.mru != kNone) slots_[p.mru].prev = s;
-  p.mru = s;
-  if (p.lru == kNone) p.lru = s;
-  ++p.count;
+  slot.next = l.mru;
+  if (l.mru != kNone) slots_[l.mru].prev = s;
+  l.mru = s;
+  if (l.lru == kNone) l.lru = s;
+  ++parts_[slot.partition].count;
+  parts_[slot.partition].guarded_count += slot.guarded;
 }
 
 void HbmCache::Unlink(int32_t s) {
   Slot& slot = slots_[s];
-  Partition& p = parts_[slot.partition];
-  if (slot.prev != kNone) slots_[slot.prev].next = slot.next; else p.mru = slot.next;
-  if (slot.next != kNone) slots_[slot.next].prev = slot.prev; else p.lru = slot.prev;
+  List& l = ListOf(slot);
+  if (slot.prev != kNone) slots_[slot.prev].next = slot.next; else l.mru = slot.next;
+  if (slot.next != kNone) slots_[slot.next].prev = slot.prev; else l.lru = slot.prev;
   slot.prev = slot.next = kNone;
-  --p.count;
+  --parts_[slot.partition].count;
+  parts_[slot.partition].guarded_count -= slot.guarded;
 }
 
 void HbmCache::Touch(int32_t s, int64_t step) {
@@ -77,14 +82,26 @@ void HbmCache::Touch(int32_t s, int64_t step) {
   slot.last_step = step;
   if (slot.pinned) return;
   Unlink(s);
+  slot.guarded = true;
   Link(s);
+  // Over the protected share (of its slots, or of its fair share while it
+  // holds fewer): the least recently hit becomes the most recent unprotected.
+  Partition& p = parts_[slot.partition];
+  if (p.guarded_count * kProtectedShareDen > std::max(p.count, Share()) * kProtectedShareNum) {
+    const int32_t demoted = p.guarded.lru;
+    Unlink(demoted);
+    slots_[demoted].guarded = false;
+    Link(demoted);
+  }
 }
 
-// The LRU end holds the oldest use; if even that was used at `step`, every
-// slot of the partition was, and none may go.
+// Each list's LRU end holds its oldest use (if even that was used at `step`,
+// all of that list was): the unprotected list's first, then the protected.
 int32_t HbmCache::VictimIn(uint32_t partition, int64_t step) const {
-  const int32_t s = parts_[partition].lru;
-  return s != kNone && slots_[s].last_step < step ? s : kNone;
+  const Partition& p = parts_[partition];
+  for (const int32_t s : {p.probation.lru, p.guarded.lru})
+    if (s != kNone && slots_[s].last_step < step) return s;
+  return kNone;
 }
 
 // A partition at its share evicts its own LRU slot. One under its share (the
@@ -130,7 +147,7 @@ Result<int32_t> HbmCache::Insert(uint32_t page, int head, uint32_t partition, in
   auto got = arena_->Allocate();
   if (!got.ok()) return got.status();
   const int32_t s = int32_t(*got);
-  slots_[s] = Slot{page, kNone, kNone, partition, step, uint8_t(head), pinned};
+  slots_[s] = Slot{page, kNone, kNone, partition, step, uint8_t(head), pinned, false};
   if (pinned) {
     ++stats_.slots_pinned;
   } else {
@@ -145,6 +162,7 @@ void HbmCache::Unpin(int32_t s, int64_t step) {
   Slot& slot = slots_[s];
   assert(slot.pinned);
   slot.pinned = false;
+  slot.guarded = false;
   // Most recent in the LRU order, but not "used this step": only a selection
   // protects a slot from eviction.
   slot.last_step = step - 1;

@@ -1,5 +1,6 @@
-// HbmCache against a plain model of its rules: LRU within a partition, a
-// fair share per partition, nothing used this step or pinned is evicted.
+// HbmCache against a plain model of its rules: segmented LRU within a
+// partition (slots hit since filled protected, up to 3/4 of it), a fair
+// share per partition, nothing used this step or pinned is evicted.
 #include "tiers/hbm_cache.h"
 
 #include <gtest/gtest.h>
@@ -25,6 +26,56 @@ TEST(HbmCache, EvictsLeastRecentlyUsedWithinAPartition) {
   EXPECT_NE(c->Lookup(0, 0), HbmCache::kNone);
   EXPECT_NE(c->Lookup(2, 0), HbmCache::kNone);
   EXPECT_EQ(c->stats().evictions, 1);
+}
+
+// A one-off burst of pages (a topic query) displaces itself, not the pages
+// the recent queries hit again — which LRU would evict first (they are older).
+TEST(HbmCache, HitSlotsOutliveAOneOffBurst) {
+  auto c = Make(4);
+  const uint32_t p = c->AddPartition();
+  ASSERT_TRUE(c->Insert(0, 0, p, 0, false).ok());
+  ASSERT_TRUE(c->Insert(1, 0, p, 0, false).ok());
+  c->Touch(c->Lookup(0, 0), 1);
+  c->Touch(c->Lookup(1, 0), 1);
+  ASSERT_TRUE(c->Insert(10, 0, p, 2, false).ok());
+  ASSERT_TRUE(c->Insert(11, 0, p, 2, false).ok());
+  for (uint32_t page = 12; page < 20; ++page) {
+    ASSERT_TRUE(c->Insert(page, 0, p, int64_t(page) - 9, false).ok());  // steps 3..10
+    EXPECT_EQ(c->Lookup(page - 2, 0), HbmCache::kNone) << page;          // the oldest fresh page went
+    EXPECT_NE(c->Lookup(page - 1, 0), HbmCache::kNone) << page;
+  }
+  EXPECT_NE(c->Lookup(0, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(1, 0), HbmCache::kNone);
+  EXPECT_EQ(c->stats().evictions, 8);
+}
+
+// At most 3/4 of a partition is protected: past that, the least recently hit
+// slot is unprotected again (the most recent of the unprotected). And a
+// protected slot still goes when nothing else may (all else used this step).
+TEST(HbmCache, ProtectedShareIsCappedAndNeverBlocksAnInsert) {
+  auto c = Make(4);
+  const uint32_t p = c->AddPartition();
+  for (uint32_t page = 0; page < 4; ++page) ASSERT_TRUE(c->Insert(page, 0, p, 0, false).ok());
+  for (uint32_t page = 0; page < 3; ++page) c->Touch(c->Lookup(page, 0), 1);  // 3 of 4 protected
+  c->Touch(c->Lookup(3, 0), 2);  // a 4th: page 0, the least recently hit, is unprotected again
+  ASSERT_TRUE(c->Insert(4, 0, p, 3, false).ok());
+  EXPECT_EQ(c->Lookup(0, 0), HbmCache::kNone);
+  for (uint32_t page = 1; page < 5; ++page) EXPECT_NE(c->Lookup(page, 0), HbmCache::kNone) << page;
+  ASSERT_TRUE(c->Insert(5, 0, p, 4, false).ok());  // then the unprotected page 4 (page 1 is older)
+  EXPECT_EQ(c->Lookup(4, 0), HbmCache::kNone);
+  EXPECT_NE(c->Lookup(1, 0), HbmCache::kNone);
+
+  auto d = Make(3);
+  const uint32_t q = d->AddPartition();
+  ASSERT_TRUE(d->Insert(0, 0, q, 0, false).ok());
+  ASSERT_TRUE(d->Insert(1, 0, q, 0, false).ok());
+  d->Touch(d->Lookup(0, 0), 1);                    // protected
+  ASSERT_TRUE(d->Insert(2, 0, q, 2, false).ok());  // used at step 2
+  d->Touch(d->Lookup(1, 0), 2);                    // used at step 2
+  ASSERT_TRUE(d->Insert(3, 0, q, 2, false).ok());  // only the protected page 0 may go
+  EXPECT_EQ(d->Lookup(0, 0), HbmCache::kNone);
+  EXPECT_EQ(d->Insert(4, 0, q, 2, false).status().code(), Code::kResourceExhausted);
+  for (uint32_t page = 1; page < 4; ++page) EXPECT_NE(d->Lookup(page, 0), HbmCache::kNone) << page;
 }
 
 TEST(HbmCache, NeverEvictsWhatThisStepUsedOrAPinnedTail) {
@@ -91,7 +142,9 @@ TEST(HbmCache, RandomOperationsKeepAccountingExact) {
       continue;
     }
     auto r = c->Insert(page, 0, part, step, false);
-    if (r.ok()) EXPECT_EQ(c->Lookup(page, 0), *r);
+    if (r.ok()) {
+      EXPECT_EQ(c->Lookup(page, 0), *r);
+    }
     uint32_t total = 0;
     for (uint32_t p : parts) total += c->partition_slots(p);
     ASSERT_EQ(total, c->stats().slots_used);
