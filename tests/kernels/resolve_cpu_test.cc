@@ -399,7 +399,7 @@ TEST(ResolveCpu, ExhaustedPartitionBypassesAndKeepsTail) {
   std::mt19937 rng(5);
   World w = MakeWorld(c, rng);
   // Make pages 0 and 1 resident in the two cache slots, then select 0, 1, 2 and the tail.
-  const int32_t tail_slot = w.part_slots[std::find(w.pinned.begin(), w.pinned.end(), 1) - w.pinned.begin()];
+  const int32_t tail_slot = int32_t(std::find(w.pinned.begin(), w.pinned.end(), 1) - w.pinned.begin());
   int k = 0;
   for (int32_t sl = 0; sl < w.slots(); ++sl) {
     if (w.pinned[sl]) continue;
