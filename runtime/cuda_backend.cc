@@ -1186,7 +1186,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
       key.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
       key.push_back(part_indptr[b + 1] - part_indptr[b]);
     }
+    const int64_t captured = graphs_captured_;
     QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(key, [&] { return enqueue(true); }));
+    if (s.graphs_captured) *s.graphs_captured += graphs_captured_ - captured;
     QKV_CUDA(cudaGraphLaunch(exec, stream_));
   } else {
     QKV_RETURN_IF_ERROR(enqueue(false));

@@ -120,6 +120,7 @@ class CudaBackend {
     double* resolve_us = nullptr;
     double* attend_us = nullptr;
     int64_t* selected = nullptr;  // head-pages selected (added to)
+    int64_t* graphs_captured = nullptr;  // optional: step graphs this call captured (added to)
   };
   virtual Status DecodeStep(const Step& s) = 0;
 

@@ -240,6 +240,7 @@ struct Runtime::Impl {
       st.attend_us = &stats->attend_us;
     }
     st.selected = &selected;
+    if (stats) st.graphs_captured = &stats->graphs_captured;
     QKV_RETURN_IF_ERROR(cuda->DecodeStep(st));
     if (stats) {
       const int64_t pages_budget = config.policy.page_budget(layer, g.page_size);

@@ -39,6 +39,9 @@ struct AttendStats {
   // Wall time of the phases, microseconds: selection (scores + top-K),
   // resolve (finding or fetching every selected head-page), attention.
   double select_us = 0, resolve_us = 0, attend_us = 0;
+  // CUDA backend: decode-step graphs captured (a step whose shape, list
+  // sizes or buffers changed is captured again before it is replayed).
+  int64_t graphs_captured = 0;
   // Input: time the phases of this call. On the CUDA backend a timed step is
   // launched directly instead of replayed from a graph, so callers may time
   // a sample of the steps only; the counters above are kept either way.

@@ -433,6 +433,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     timed_steps += stats.time_phases;
     double step_seconds = 0;
     const TierStats step_before = rt.tier_stats();
+    const int64_t graphs_before = stats.graphs_captured;
     const int64_t comparison_hits_before = comparison_hits, comparison_misses_before = comparison_misses;
     if (on_device) {
       for (int layer = 0; layer < g.layers; ++layer) {
@@ -482,6 +483,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       RunReport::StepRecord rec;
       rec.us = step_seconds * 1e6;
       rec.instrumented = instrumented(step);
+      rec.graphs_captured = stats.graphs_captured - graphs_before;
       rec.query = batch.workloads[0].Target(step).kind;
       rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
       rec.misses = after.hbm_misses - step_before.hbm_misses - (comparison_misses - comparison_misses_before);
@@ -844,6 +846,7 @@ std::string ReportJson(const RunReport& r) {
         .Field("hits", s.hits)
         .Field("misses", s.misses)
         .Field("host_link_bytes", s.host_link_bytes)
+        .Field("graphs_captured", s.graphs_captured)
         .EndObject();
   j.EndArray();
   j.Field("prefill_seconds", r.prefill_seconds);

@@ -106,6 +106,7 @@ struct RunReport {
     QueryKind query = QueryKind::kRandom;  // what sequence 0's queries aim at
     int64_t hits = 0, misses = 0;         // HBM cache lookups (dense comparisons excluded)
     int64_t host_link_bytes = 0;          // host->hbm + hbm->host (diagnostics' reads excluded)
+    int64_t graphs_captured = 0;          // CUDA: layer-step graphs captured in this step (each costs ms)
   };
   std::vector<StepRecord> steps;
 };

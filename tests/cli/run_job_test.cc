@@ -109,7 +109,10 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_EQ(link, rb->bytes_moved.host_to_hbm + rb->bytes_moved.hbm_to_host);
   EXPECT_GT(misses, 0);
   // The CPU backend's phases are timed on every step without changing how it runs.
-  for (const RunReport::StepRecord& rec : rb->steps) EXPECT_FALSE(rec.instrumented);
+  for (const RunReport::StepRecord& rec : rb->steps) {
+    EXPECT_FALSE(rec.instrumented);
+    EXPECT_EQ(rec.graphs_captured, 0);  // no CUDA graphs
+  }
   EXPECT_EQ(rb->step_latency_instrumented_us.p50, 0);
   const std::string json = ReportJson(*rb);
   EXPECT_NE(json.find("\"per_step\":[{\"us\":"), std::string::npos) << json;
