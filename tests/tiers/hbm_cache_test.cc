@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 
 namespace questkv {
@@ -149,6 +150,73 @@ TEST(HbmCache, RandomOperationsKeepAccountingExact) {
     for (uint32_t p : parts) total += c->partition_slots(p);
     ASSERT_EQ(total, c->stats().slots_used);
     ASSERT_LE(c->stats().slots_used, 16u);
+  }
+}
+
+// The segmented-LRU rule as a plain model: every cached head-page with its
+// last use, protected flag and a recency stamp (renewed when it enters a
+// list's most recent end); victims by the smallest stamp among unprotected,
+// then protected, slots not used this step. Random steps of selections over
+// one partition must evict exactly what the model evicts.
+TEST(HbmCache, SegmentedLruMatchesAPlainModel) {
+  constexpr uint32_t kSlots = 16, kPages = 40;
+  struct Entry {
+    int64_t last = 0, stamp = 0;
+    bool guarded = false;
+  };
+  for (uint32_t seed : {1u, 2u, 3u}) {
+    std::mt19937 rng(seed);
+    auto c = Make(kSlots);
+    const uint32_t p = c->AddPartition();
+    std::map<uint32_t, Entry> model;
+    int64_t clock = 0;
+    auto victim = [&](int64_t step) -> int64_t {
+      for (const bool guarded : {false, true}) {
+        int64_t best = -1, best_stamp = 0;
+        for (const auto& [page, e] : model)
+          if (e.guarded == guarded && (best < 0 || e.stamp < best_stamp)) best = page, best_stamp = e.stamp;
+        // The list's oldest must be evictable, else none of that list is tried.
+        if (best >= 0 && model[uint32_t(best)].last < step) return best;
+      }
+      return -1;
+    };
+    for (int64_t step = 0; step < 400; ++step) {
+      const int n = 1 + int(rng() % (kSlots / 2));
+      for (int i = 0; i < n; ++i) {
+        const uint32_t page = rng() % kPages;
+        SCOPED_TRACE(::testing::Message() << "seed " << seed << " step " << step << " page " << page);
+        if (auto it = model.find(page); it != model.end()) {
+          ASSERT_NE(c->Lookup(page, 0), HbmCache::kNone);
+          c->Touch(c->Lookup(page, 0), step);
+          it->second.last = step;
+          it->second.guarded = true;
+          it->second.stamp = ++clock;
+          int guarded = 0;
+          for (const auto& [q, e] : model) guarded += e.guarded;
+          if (guarded * 4 > int(kSlots) * 3) {  // the least recently hit is unprotected again
+            Entry* oldest = nullptr;
+            for (auto& [q, e] : model)
+              if (e.guarded && (!oldest || e.stamp < oldest->stamp)) oldest = &e;
+            oldest->guarded = false;
+            oldest->stamp = ++clock;
+          }
+          continue;
+        }
+        const auto got = c->Insert(page, 0, p, step, false);
+        if (model.size() == kSlots) {
+          const int64_t v = victim(step);
+          ASSERT_EQ(got.ok(), v >= 0);
+          if (v < 0) continue;
+          model.erase(uint32_t(v));
+          EXPECT_EQ(c->Lookup(uint32_t(v), 0), HbmCache::kNone) << "victim " << v;
+        } else {
+          ASSERT_TRUE(got.ok());
+        }
+        model[page] = Entry{step, ++clock, false};
+      }
+      for (uint32_t page = 0; page < kPages; ++page)
+        ASSERT_EQ(c->Lookup(page, 0) != HbmCache::kNone, model.count(page) == 1) << "page " << page;
+    }
   }
 }
 
