@@ -261,6 +261,7 @@ class DeviceStep {
 RunReport::Links LinksOf(const TierStats& t) {
   return {t.host_to_hbm_bytes, t.hbm_to_host_bytes, t.host_to_disk_bytes, t.disk_to_host_bytes};
 }
+int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
 void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunReport::Links& before) {
   acc.host_to_hbm += after.host_to_hbm - before.host_to_hbm;
   acc.hbm_to_host += after.hbm_to_host - before.hbm_to_host;
@@ -361,7 +362,6 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
   std::vector<float> k(row * B), v(row * B), q(qstride * B), out(qstride * B);
   std::vector<PageSelection> sels;
-  std::vector<double> step_us, instrumented_us;
   std::vector<float> dense_out(out.size());
   double append_us = 0;
   int64_t comparison_hits = 0, comparison_misses = 0;
@@ -477,7 +477,6 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       QKV_RETURN_IF_ERROR(count_offload(layer));
       if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
     }
-    (instrumented(step) ? instrumented_us : step_us).push_back(step_seconds * 1e6);
     {
       const TierStats after = rt.tier_stats();
       RunReport::StepRecord rec;
@@ -487,8 +486,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       rec.query = batch.workloads[0].Target(step).kind;
       rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
       rec.misses = after.hbm_misses - step_before.hbm_misses - (comparison_misses - comparison_misses_before);
-      rec.host_link_bytes = (after.host_to_hbm_bytes - step_before.host_to_hbm_bytes) +
-                            (after.hbm_to_host_bytes - step_before.hbm_to_host_bytes);
+      rec.host_link_bytes = HostLinkBytes(LinksOf(after)) - HostLinkBytes(LinksOf(step_before));
       r.steps.push_back(rec);
       if (metrics) {
         TierStats t = after;
@@ -509,6 +507,8 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     }
     bar.Update(step + 1);
   }
+  std::vector<double> step_us, instrumented_us;
+  for (const RunReport::StepRecord& rec : r.steps) (rec.instrumented ? instrumented_us : step_us).push_back(rec.us);
   r.step_latency_us = Summarise(std::move(step_us));
   r.step_latency_instrumented_us = Summarise(std::move(instrumented_us));
   if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
@@ -598,7 +598,6 @@ void Line(std::string& out, const char* fmt, Args... args) {
   out += buf;
 }
 double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
-int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
 
 // The steps of one query kind, summarised.
 struct KindSummary {
