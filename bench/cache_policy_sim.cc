@@ -12,10 +12,10 @@
 // list per (sequence, layer); a step's selection must all be resident (never
 // a victim that step). Policies:
 //   lru   least recently used first (the CUDA backend's rule)
-//   slru  segmented LRU: head-pages hit since filled are protected (at most
-//         3/4 of the capacity; past that the least recently hit is demoted to
-//         the newest unprotected); unprotected ones go first, by age
-//         (tiers/hbm_cache.h, the CPU backend's rule)
+//   slru  segmented LRU: the CPU backend's HBM cache itself (tiers/hbm_cache.h;
+//         head-pages hit since filled are protected, up to 3/4 of the slots;
+//         unprotected ones go first, by age), a step's hits touched before
+//         its misses are placed
 //   opt   Belady: the head-page used furthest in the future goes first
 // Prints hit rates over all steps and over the `recent` query steps after
 // the first cycle (16 steps), and misses per step.
@@ -24,7 +24,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <list>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -32,6 +31,7 @@
 
 #include "runtime/runtime.h"
 #include "runtime/workload.h"
+#include "tiers/hbm_cache.h"
 
 namespace questkv {
 namespace {
@@ -42,6 +42,8 @@ Key KeyOf(int h, int p) { return int64_t(h) << 32 | uint32_t(p); }
 struct Trace {
   std::vector<std::vector<Key>> steps;  // distinct head-pages selected at each step
   std::vector<QueryKind> kinds;
+  uint32_t pages = 0;  // page indices are below this
+  int kv_heads = 0;
 };
 
 struct Options {
@@ -70,6 +72,8 @@ Result<Trace> Record(const Options& o) {
     QKV_RETURN_IF_ERROR(rt->Append(s, o.layer, k.data(), v.data(), n));
   }
   Trace trace;
+  trace.pages = uint32_t((o.context + o.steps) / 16 + 1);
+  trace.kv_heads = o.kv_heads;
   std::vector<float> q(std::size_t(o.q_heads) * o.head_dim), out(q.size());
   for (int step = 0; step < o.steps; ++step) {
     w.Tokens(o.layer, o.context + step, 1, k.data(), v.data());
@@ -96,43 +100,48 @@ struct Tally {
   }
 };
 
-// LRU and segmented LRU: two recency lists (front = oldest).
-Tally RunLru(const Trace& t, int capacity, bool segmented) {
-  std::list<Key> probation, guarded;
-  struct Where {
-    bool guarded;
-    std::list<Key>::iterator it;
-  };
-  std::unordered_map<Key, Where> where;
-  const std::size_t guard_cap = segmented ? std::size_t(capacity) * 3 / 4 : 0;
+// LRU (the CUDA backend's rule): one recency list, front = oldest.
+Tally RunLru(const Trace& t, int capacity) {
+  std::list<Key> order;
+  std::unordered_map<Key, std::list<Key>::iterator> where;
   Tally tally;
   for (std::size_t step = 0; step < t.steps.size(); ++step) {
     const bool recent = t.kinds[step] == QueryKind::kRecent && step >= 16;
     for (Key key : t.steps[step]) {
       auto found = where.find(key);
-      const bool hit = found != where.end();
-      tally.Add(hit, recent);
-      if (hit) (found->second.guarded ? guarded : probation).erase(found->second.it);
-      std::list<Key>& to = hit && segmented ? guarded : probation;
-      to.push_back(key);
-      where[key] = {&to == &guarded, std::prev(to.end())};
-      if (guarded.size() > guard_cap && !guarded.empty()) {
-        const Key old = guarded.front();
-        guarded.pop_front();
-        probation.push_back(old);
-        where[old] = {false, std::prev(probation.end())};
-      }
+      tally.Add(found != where.end(), recent);
+      if (found != where.end()) order.erase(found->second);
+      order.push_back(key);
+      where[key] = std::prev(order.end());
     }
-    const std::unordered_set<Key> now(t.steps[step].begin(), t.steps[step].end());
-    for (std::list<Key>* l : {&probation, &guarded})
-      for (auto it = l->begin(); it != l->end() && where.size() > std::size_t(capacity);) {
-        if (now.count(*it)) {
-          ++it;
-          continue;
-        }
-        where.erase(*it);
-        it = l->erase(it);
-      }
+    // The oldest go; this step's selection is the newest, so it stays.
+    while (where.size() > std::max(std::size_t(capacity), t.steps[step].size())) {
+      where.erase(order.front());
+      order.pop_front();
+    }
+  }
+  return tally;
+}
+
+// Segmented LRU: one HbmCache partition of `capacity` slots. A step's hits
+// are touched before its misses are placed (as the CUDA resolve classifies
+// before it assigns), so nothing selected this step is a victim.
+Result<Tally> RunSegmented(const Trace& t, int capacity) {
+  QKV_ASSIGN_OR_RETURN(std::unique_ptr<HbmCache> cache, HbmCache::Create(uint32_t(capacity), 1, t.pages, t.kv_heads));
+  const uint32_t part = cache->AddPartition();
+  Tally tally;
+  std::vector<Key> missed;
+  for (std::size_t step = 0; step < t.steps.size(); ++step) {
+    const bool recent = t.kinds[step] == QueryKind::kRecent && step >= 16;
+    missed.clear();
+    for (Key key : t.steps[step]) {
+      const int32_t slot = cache->Lookup(uint32_t(key), int(key >> 32));
+      tally.Add(slot != HbmCache::kNone, recent);
+      if (slot != HbmCache::kNone) cache->Touch(slot, int64_t(step));
+      else missed.push_back(key);
+    }
+    for (Key key : missed)
+      QKV_RETURN_IF_ERROR(cache->Insert(uint32_t(key), int(key >> 32), part, int64_t(step), false).status());
   }
   return tally;
 }
@@ -205,7 +214,12 @@ int Main(int argc, char** argv) {
   std::printf("%9s %-5s %9s %13s %15s\n", "capacity", "rule", "hit rate", "recent steps", "misses a step");
   int status = 0;
   for (int cap : o.capacities) {
-    const Tally tallies[] = {RunLru(*trace, cap, false), RunLru(*trace, cap, true), RunOpt(*trace, cap)};
+    Result<Tally> segmented = RunSegmented(*trace, cap);
+    if (!segmented.ok()) {
+      std::fprintf(stderr, "capacity %d: %s\n", cap, segmented.status().ToString().c_str());
+      return 1;
+    }
+    const Tally tallies[] = {RunLru(*trace, cap), *segmented, RunOpt(*trace, cap)};
     const char* rules[] = {"lru", "slru", "opt"};
     for (int r = 0; r < 3; ++r) {
       const Tally& t = tallies[r];
