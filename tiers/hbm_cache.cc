@@ -104,9 +104,9 @@ int32_t HbmCache::VictimIn(uint32_t partition, int64_t step) const {
   return kNone;
 }
 
-// A partition at its share evicts its own LRU slot. One under its share (the
+// A partition at its share evicts its own victim. One under its share (the
 // arena is full) takes from the largest partition over its share, falling
-// back to its own LRU; a tail (pinned) may take from anyone.
+// back to its own; a tail (pinned) may take from anyone.
 int32_t HbmCache::FindVictim(uint32_t partition, int64_t step, bool pinned) const {
   const uint32_t share = Share();
   if (!pinned && parts_[partition].count >= share) return VictimIn(partition, step);

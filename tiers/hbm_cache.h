@@ -10,10 +10,11 @@
 // (-1 when not cached).
 //
 // Within a partition the victim is chosen by segmented LRU: a slot hit since
-// it was filled is protected, up to 3/4 of the partition's slots (or of
-// its fair share while it holds fewer; beyond that the least recently hit
-// is unprotected again, as the most recent of the unprotected); the least recently used unprotected slot
-// goes first, a protected one only when no unprotected slot may go. A query
+// it was filled is protected, up to 3/4 of the partition's slots (or of its
+// fair share while it holds fewer; beyond that the least recently hit is
+// unprotected again, as the most recent of the unprotected); the least
+// recently used unprotected slot goes first, a protected one only when no
+// unprotected slot may go. A query
 // that pulls in pages once (a Quest topic query: an old span that matters
 // again for one step) then displaces its own pages, not the working set the
 // recent queries keep hitting. On a Llama-3-8B layer's selections at 128K
