@@ -47,6 +47,17 @@ Status CudaStatus(const char* what, cudaError_t e) {
     if (qkv_e_ != cudaSuccess) return CudaStatus(#expr, qkv_e_);    \
   } while (0)
 
+// Misses fetched by the attention (kc::ResolveShape::fill_in_attention)
+// unless QUESTKV_GATHER_MISSES=1 asks for the resolve's own gather kernel
+// (the same binary measured both ways; the outputs are bit for bit equal).
+bool FillInAttention() {
+  static const bool on = [] {
+    const char* v = std::getenv("QUESTKV_GATHER_MISSES");
+    return !(v && v[0] == '1');
+  }();
+  return on;
+}
+
 // Bumped by every device or pinned allocation of this backend: a captured
 // step graph bakes pointers in, so a new allocation retires the graphs.
 uint64_t g_alloc_epoch = 0;
@@ -965,8 +976,14 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   std::vector<int32_t> part_indptr(B + 1, 0);
   for (int b = 0; b < B; ++b) part_indptr[b + 1] = part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
   kc::ResolvePlan rplan;
-  const kc::ResolveShape rshape{B, H, S, D, dt,
-                                c_.cold_miss == ColdMissPolicy::kStrict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline};
+  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
+  const bool cold_waits = strict && mover_->has_disk();
+  // The attention fetches the misses itself (their PCIe round trips overlap
+  // its reads of the hits), unless a strict step resolves twice: its first
+  // resolve's fills must land before the second classifies them as hits.
+  const bool fill_in_attention = !cold_waits && FillInAttention();
+  const kc::ResolveShape rshape{B, H, S, D, dt, strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline,
+                                fill_in_attention};
   // The gather on every SM: within a step nothing runs beside it (the
   // attention waits for it), so the half-grid default, which leaves SMs to
   // work on other streams, would only slow it.
@@ -1020,11 +1037,9 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   QKV_RETURN_IF_ERROR(header_.Reserve(hdr.size() * 4));
   const int32_t* d_hdr = header_.as<int32_t>();
 
-  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
   // The mover counts selections for its demotion order; a dense layer's are
   // every page, known here without reading 4 bytes per head-page back.
   const bool want_sel = s.selections || (mover_->has_disk() && !shape.dense);
-  const bool cold_waits = strict && mover_->has_disk();
   // A step whose phases are to be timed is launched directly (see enqueue).
   const bool timed = s.select_us || s.resolve_us || s.attend_us;
   // Nothing on the host waits for this step: it returns once enqueued (see
@@ -1167,7 +1182,13 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
     ap.last_len = d_hdr + o_last;
     ap.o = s.host_f32 ? o_.as() : s.out;
     ap.workspace = att_ws_.as();
-    QKV_CUDA(kc::RunAttend(aplan, ap, stream_));
+    const kc::ResolveFillList fills = kc::ResolveFills(rplan, res_ws_.as());
+    if (fill_in_attention) ap.fills = fills.jobs;
+    if (const cudaError_t e = kc::RunAttend(aplan, ap, stream_); e != cudaSuccess) {
+      // The resolve named slots for the misses: they get their bytes anyway.
+      if (fill_in_attention) kc::LaunchGather(fills.jobs, fills.count, piece(), sms_, stream_);
+      return CudaStatus("RunAttend", e);
+    }
     if (timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
     if (s.host_f32 && g_.dtype != DType::kF32)
       QKV_CUDA(kc::LaunchConvert(o_.as(), dt, o_f32_.as(), kc::DType::kF32, qelems, stream_));

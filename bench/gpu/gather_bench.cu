@@ -8,6 +8,11 @@
 //   overlap  the sparse attention (RunAttend, llama3-8b shape, batch 16,
 //            2048-token budget) alone and beside a running gather on another
 //            stream: attention slowdown and gather bandwidth under load
+//   fill     a decode step's misses fetched by the attention itself
+//            (AttendParams::fills, llama3-8b shape, batch 1 and 16, 2048-token
+//            budget, a fraction of the entries in pinned host homes) against
+//            the resolve's way, the gather then the attention: same output
+//            bits, time per call, and the fetched bytes' rate against h2d
 // Prints a table last; --json FILE writes one JSON object per line.
 #include <algorithm>
 #include <cstdarg>
@@ -386,6 +391,121 @@ void BenchOverlap(const Shared& g, const GatherJob* d_jobs, const int32_t* d_cou
   }
 }
 
+// The misses of a step fetched by the attention against gather-then-attend.
+void BenchFill(const Shared& g, double limit) {
+  const int H = 8, G = 4, D = 128, S = 16, pages = 2048 / S;
+  const std::size_t piece = std::size_t(S) * D * 2, head_page = 2 * piece;
+  for (int batch : {1, 16}) {
+    AttendShape a{batch * H, H, G, D, S, DType::kF16};
+    AttendPlan plan;
+    std::string err;
+    if (!PlanAttend(a, pages, g.sms, &plan, &err)) {
+      std::fprintf(stderr, "%s\n", err.c_str());
+      std::exit(1);
+    }
+    const int entries = a.rows * pages;
+    void *q, *pool, *o_fill, *o_gather, *ws;
+    int32_t *d_indptr, *d_fill_ids, *d_slot_ids, *d_count;
+    GatherJob *d_fills, *d_jobs;
+    CHECK(cudaMalloc(&q, std::size_t(a.rows) * G * D * 2));
+    CHECK(cudaMalloc(&pool, std::size_t(entries) * head_page));
+    CHECK(cudaMalloc(&o_fill, std::size_t(a.rows) * G * D * 2));
+    CHECK(cudaMalloc(&o_gather, std::size_t(a.rows) * G * D * 2));
+    CHECK(cudaMalloc(&ws, std::max<std::size_t>(plan.workspace_bytes, 16)));
+    CHECK(cudaMemset(ws, 0, std::max<std::size_t>(plan.workspace_bytes, 16)));
+    CHECK(cudaMalloc(&d_indptr, (a.rows + 1) * 4));
+    CHECK(cudaMalloc(&d_fill_ids, entries * 4));
+    CHECK(cudaMalloc(&d_slot_ids, entries * 4));
+    CHECK(cudaMalloc(&d_count, 4));
+    CHECK(cudaMalloc(&d_fills, entries * sizeof(GatherJob)));
+    CHECK(cudaMalloc(&d_jobs, entries * sizeof(GatherJob)));
+    FillRandom<<<1024, 256>>>(static_cast<uint32_t*>(q), std::size_t(a.rows) * G * D / 2, 5);
+    FillRandom<<<1024, 256>>>(static_cast<uint32_t*>(pool), std::size_t(entries) * head_page / 4, 6);
+    std::vector<int32_t> indptr(a.rows + 1);
+    for (int r = 0; r <= a.rows; ++r) indptr[r] = r * pages;
+    CHECK(cudaMemcpy(d_indptr, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice));
+    const std::size_t home_pages = kPoolBytes / (head_page * H);
+    for (double frac : {0.0, 0.05, 0.25, 1.0}) {
+      std::mt19937 rng(uint32_t(1000 * frac) + batch);
+      // Entry e's slot is e (shuffled); a fetched one's home is a random
+      // (page, head) of the pinned pool, its job filling slot e.
+      std::vector<int32_t> slot_ids(entries), fill_ids(entries);
+      for (int e = 0; e < entries; ++e) slot_ids[e] = e;
+      std::shuffle(slot_ids.begin(), slot_ids.end(), rng);
+      std::vector<GatherJob> jobs;
+      std::bernoulli_distribution fetched(frac);
+      for (int e = 0; e < entries; ++e) {
+        fill_ids[e] = slot_ids[e];
+        if (!fetched(rng)) continue;
+        const std::size_t pg = rng() % home_pages, h = rng() % H;
+        const char* home = g.pool_dev + pg * head_page * H;
+        fill_ids[e] = ~int32_t(jobs.size());
+        jobs.push_back({home + h * piece, home + (H + h) * piece, static_cast<char*>(pool) + slot_ids[e] * head_page});
+      }
+      const int32_t n = int32_t(jobs.size());
+      CHECK(cudaMemcpy(d_slot_ids, slot_ids.data(), entries * 4, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(d_fill_ids, fill_ids.data(), entries * 4, cudaMemcpyHostToDevice));
+      if (n) CHECK(cudaMemcpy(d_fills, jobs.data(), n * sizeof(GatherJob), cudaMemcpyHostToDevice));
+      if (n) CHECK(cudaMemcpy(d_jobs, jobs.data(), n * sizeof(GatherJob), cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(d_count, &n, 4, cudaMemcpyHostToDevice));
+      AttendParams base;
+      base.scale = 0.0883883f;
+      base.q = q;
+      base.slots = pool;
+      base.indptr = d_indptr;
+      base.workspace = ws;
+      AttendParams fused = base, plain = base;
+      fused.slot_ids = d_fill_ids;
+      fused.fills = d_fills;
+      fused.o = o_fill;
+      plain.slot_ids = d_slot_ids;
+      plain.o = o_gather;
+      // Correctness first: the same output bits both ways.
+      CHECK(RunAttend(plan, fused, g.s));
+      CHECK(LaunchGather(d_jobs, d_count, piece, g.sms, g.s));
+      CHECK(RunAttend(plan, plain, g.s));
+      CHECK(cudaStreamSynchronize(g.s));
+      std::vector<char> of(std::size_t(a.rows) * G * D * 2), og(of.size());
+      CHECK(cudaMemcpy(of.data(), o_fill, of.size(), cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(og.data(), o_gather, og.size(), cudaMemcpyDeviceToHost));
+      if (std::memcmp(of.data(), og.data(), of.size())) {
+        std::fprintf(stderr, "fill: fused output differs from gather-then-attend (batch %d, %.2f fetched)\n", batch,
+                     frac);
+        std::exit(1);
+      }
+      Timer t;
+      std::vector<double> us_fused, us_plain;
+      for (int r = 0; r < g.reps + 1; ++r) {
+        CHECK(cudaEventRecord(t.a, g.s));
+        CHECK(RunAttend(plan, fused, g.s));
+        CHECK(cudaEventRecord(t.b, g.s));
+        CHECK(cudaEventSynchronize(t.b));
+        if (r) us_fused.push_back(t.Ms() * 1e3);
+        CHECK(cudaEventRecord(t.a, g.s));
+        CHECK(LaunchGather(d_jobs, d_count, piece, g.sms, g.s));
+        CHECK(RunAttend(plan, plain, g.s));
+        CHECK(cudaEventRecord(t.b, g.s));
+        CHECK(cudaEventSynchronize(t.b));
+        if (r) us_plain.push_back(t.Ms() * 1e3);
+      }
+      const double uf = Median(us_fused), up = Median(us_plain);
+      const double fetched_mib = double(n) * head_page / (1 << 20);
+      const double gbs = n ? double(n) * head_page / (uf * 1e-6) / 1e9 : 0.0;
+      Row("fill    b=%-2d fetched %4.0f%% (%7.2f MiB)  attend+fetch %7.1f us  gather then attend %7.1f us  (%4.2fx)"
+          "  fetched at %5.1f GB/s, %5.1f%% of h2d",
+          batch, 100 * frac, fetched_mib, uf, up, up / uf, gbs, 100 * gbs / limit);
+      Json("{\"bench\":\"fill\",\"batch\":" + std::to_string(batch) + ",\"fraction\":" + std::to_string(frac) +
+           ",\"fetched_bytes\":" + std::to_string(int64_t(n) * int64_t(head_page)) + ",\"us_fused\":" +
+           std::to_string(uf) + ",\"us_gather_then_attend\":" + std::to_string(up) + ",\"gbs\":" +
+           std::to_string(gbs) + "}");
+    }
+    for (void* x : {q, pool, o_fill, o_gather, ws}) CHECK(cudaFree(x));
+    for (void* x : {static_cast<void*>(d_indptr), static_cast<void*>(d_fill_ids), static_cast<void*>(d_slot_ids),
+                    static_cast<void*>(d_count), static_cast<void*>(d_fills), static_cast<void*>(d_jobs)})
+      CHECK(cudaFree(x));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -397,7 +517,9 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&g.sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaHostAlloc(&g.pool_host, kPoolBytes, cudaHostAllocMapped));
   CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&g.pool_dev), g.pool_host, 0));
-  for (std::size_t i = 0; i < kPoolBytes / 8; ++i) reinterpret_cast<uint64_t*>(g.pool_host)[i] = i * 0x9E3779B97F4A7C15ULL;
+  // Finite fp16 values in (-1, 1) (as FillRandom), so attention over homes stays finite.
+  for (std::size_t i = 0; i < kPoolBytes / 8; ++i)
+    reinterpret_cast<uint64_t*>(g.pool_host)[i] = (i * 0x9E3779B97F4A7C15ULL) & 0xBBFFBBFFBBFFBBFFULL;
   CHECK(cudaMalloc(&g.dst, kMissBytes));
   CHECK(cudaStreamCreateWithFlags(&g.s, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&g.s2, cudaStreamNonBlocking));
@@ -406,6 +528,7 @@ int main(int argc, char** argv) {
   std::printf("== gather bench: %s, %d SMs ==\n", prop.name, g.sms);
 
   const double limit = H2dLimit(g);
+  BenchFill(g, limit);
   GatherJob *jobs8, *jobs4;
   int32_t *count8, *count4;
   const int best8 = BenchGather(g, 8192, limit, &jobs8, &count8);

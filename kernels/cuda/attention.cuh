@@ -10,7 +10,10 @@
 // shared memory, and the block writes either the final output (one split) or
 // a normalised partial (o, m, d); with splits, the last block of a row to
 // finish (a counter per row in the workspace) merges the row's partials, so
-// the whole attention is one launch.
+// the whole attention is one launch. An entry the resolve left to fetch
+// (AttendParams::fills) is read from its host home by the same loads and
+// stored into its slot by the warp that read it: its PCIe round trips
+// overlap the other warps' reads from HBM.
 #pragma once
 
 #include <cfloat>
@@ -167,24 +170,39 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
     const int r0 = (it % Tr::kBlocksPerPage) * Tr::kRows;
     const int len = e == count - 1 ? last_len : S;
     if (r0 >= len) continue;  // a short tail page: nothing in this row block
-    const T* k_base = pool + std::size_t(p.slot_ids[base + e]) * 2 * S * D;
-    const T* v_base = k_base + S * D;
+    const int32_t id = p.slot_ids[base + e];
+    const T* k_base;
+    const T* v_base;
+    T* fill = nullptr;  // the slot a fetched head-page goes to ([K][V]), if any
+    if (id >= 0) {
+      k_base = pool + std::size_t(id) * 2 * S * D;
+      v_base = k_base + S * D;
+    } else {
+      const GatherJob job = p.fills[~id];
+      k_base = static_cast<const T*>(job.k);
+      v_base = static_cast<const T*>(job.v);
+      fill = static_cast<T*>(job.dst);
+    }
+    // This lane's load j, v: row r0 + j * kTy + ty, columns from (v * kTx + tx) * kVec.
+    auto row_of = [&](int j) { return r0 + j * kTy + ty; };
+    auto at = [&](int j, int v) { return row_of(j) * D + (v * kTx + tx) * kVec; };
     uint4 kr[kR][kNv], vr[kR][kNv];
 #pragma unroll
-    for (int j = 0; j < kR; ++j) {
-      const int r = r0 + j * kTy + ty;
+    for (int j = 0; j < kR; ++j)
 #pragma unroll
       for (int v = 0; v < kNv; ++v) {
-        const int col = (v * kTx + tx) * kVec;
-        if (r < len) {
-          kr[j][v] = Load16(k_base + r * D + col);
-          vr[j][v] = Load16(v_base + r * D + col);
-        } else {
-          kr[j][v] = make_uint4(0, 0, 0, 0);
-          vr[j][v] = make_uint4(0, 0, 0, 0);
-        }
+        const bool in = row_of(j) < len;
+        kr[j][v] = in ? Load16(k_base + at(j, v)) : make_uint4(0, 0, 0, 0);
+        vr[j][v] = in ? Load16(v_base + at(j, v)) : make_uint4(0, 0, 0, 0);
       }
-    }
+    if (fill)  // a sealed page: len == S, every row of the block was read; stored after all loads are issued
+#pragma unroll
+      for (int j = 0; j < kR; ++j)
+#pragma unroll
+        for (int v = 0; v < kNv; ++v) {
+          *reinterpret_cast<uint4*>(fill + at(j, v)) = kr[j][v];
+          *reinterpret_cast<uint4*>(fill + S * D + at(j, v)) = vr[j][v];
+        }
     float s[kR][G];
 #pragma unroll
     for (int j = 0; j < kR; ++j) {
@@ -198,7 +216,7 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
         for (int x = 0; x < kE; ++x) acc = fmaf(q[g][x], kf[x], acc);
 #pragma unroll
         for (int off = kTx / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-        s[j][g] = r0 + j * kTy + ty < len ? acc : -INFINITY;
+        s[j][g] = row_of(j) < len ? acc : -INFINITY;
       }
     }
 #pragma unroll

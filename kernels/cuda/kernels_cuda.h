@@ -34,6 +34,14 @@ enum class DType : uint8_t { kF32, kF16, kBF16 };
 const char* DTypeName(DType t);
 std::size_t DTypeBytes(DType t);
 
+// One head-page to fetch: its K piece and its V piece (S * D elements each,
+// in the pinned host home) and the slot [K][V] they go to (null: read only).
+struct GatherJob {
+  const void* k;
+  const void* v;
+  void* dst;
+};
+
 // Message of the last launch on this thread that returned cudaErrorInvalidValue
 // for an unsupported size or dtype ("" if none).
 const std::string& LastErrorMessage();
@@ -157,6 +165,12 @@ struct AttendParams {
   const int32_t* slot_ids = nullptr;  // [indptr[rows]] slot of each entry, any order
   const int32_t* last_len = nullptr;  // optional [rows / Hkv]: valid tokens (1..S) of each row's
                                       // last used entry; null: every entry is full
+  // Optional: the misses a resolve left to the attention (ResolveShape::fill_in_attention).
+  // An entry whose slot id is negative is fills[~id]: its K and V are read from
+  // the job's host home (16-byte loads over PCIe, beside the other entries'
+  // reads from HBM) and, when the job names a slot (dst), stored there too.
+  // Never a row's last entry (the tail is always in HBM).
+  const GatherJob* fills = nullptr;
   void* o = nullptr;                  // [rows][G][D]; zeros for an empty row
   float* lse = nullptr;               // optional [rows][G]: m + log d (-inf for an empty row)
   void* workspace = nullptr;          // PlanAttend's workspace_bytes, zeroed once after allocation
@@ -205,6 +219,15 @@ struct ResolveShape {
   int head_dim = 0;   // D
   DType dtype = DType::kF16;
   ColdPolicy policy = ColdPolicy::kDeadline;
+  // Leave the misses to the attention instead of gathering them: out_slots
+  // names each head-page to fetch as ~job (a negative id) into
+  // ResolveFills(), and RunAttend with AttendParams::fills reads it from its
+  // home while it attends the hits and stores it into its slot. The gather's
+  // PCIe round trips then overlap the attention instead of preceding it.
+  // The slots are valid only once that attention has run: the caller must
+  // run it before anything else reads them (a second resolve of the same
+  // step, as strict's cold-miss retry does, must not follow a fused one).
+  bool fill_in_attention = false;
 };
 
 struct ResolvePlan {
@@ -252,18 +275,25 @@ struct ResolveParams {
   ResolveCounters* counters = nullptr;
   void* workspace = nullptr;              // PlanResolve's workspace_bytes
 };
-// Four launches (classify, assign, finalize, gather); no host synchronisation.
+// Four launches (classify, assign, finalize, gather; no gather with
+// fill_in_attention); no host synchronisation.
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream);
 
 // The gather alone: jobs[0 .. *job_count) copy piece_bytes from k and from v
 // into dst and dst + piece_bytes, with 16-byte loads spread over every block.
-struct GatherJob {
-  const void* k;
-  const void* v;
-  void* dst;
-};
 cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::size_t piece_bytes, int blocks,
                          cudaStream_t stream);
+
+// The resolve's fetch list in its workspace: [*count] jobs, the first ones the
+// misses filled into victim slots (the gather's jobs), then, with
+// fill_in_attention, one read-only job (dst null) for each entry whose
+// head-page another entry of the step is filling (a page shared by two
+// sequences of the batch). For AttendParams::fills, or LaunchGather.
+struct ResolveFillList {
+  const GatherJob* jobs;
+  const int32_t* count;  // device
+};
+ResolveFillList ResolveFills(const ResolvePlan& plan, void* workspace);
 
 cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,
                                      cudaStream_t stream);

@@ -13,13 +13,16 @@
 //     is never resident, an evicted one was not selected this step).
 //  3. FinalizeKernel, a block per row: compacts the slots to attend in entry
 //     order (block scans), pushes host requests with warp-aggregated atomics,
-//     counts.
+//     counts. With fill_in_attention a filled entry is attended as ~job (the
+//     attention fetches it), and an entry whose head-page another entry
+//     fills gets a read-only job of its own (its slot is not filled yet).
 // A thread per entry and a block per row, not a warp per row: a dense
 // layer's rows hold every page (8K entries at 128K tokens), which a warp
 // walked in 256 dependent rounds (~0.5 ms a layer on the H200).
 //  4. GatherKernel: every filled slot's K and V from pinned host memory, as
 //     one flat range of 16-byte vectors striped over the grid, several loads
-//     in flight per thread before any store (PCIe latency is ~1 µs).
+//     in flight per thread before any store (PCIe latency is ~1 µs). Not
+//     launched with fill_in_attention: the attention reads them.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -42,7 +45,8 @@ constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
 constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
-enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3 };
+// kFilled: a miss that took a slot (set by the assign; its job in job_of).
+enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3, kFilled = 4 };
 
 struct Workspace {
   uint32_t* page;     // [entries]
@@ -52,6 +56,7 @@ struct Workspace {
   int32_t* unused;    // [list_slots] each list at its offset: its reordered front (slots not used this step)
   int32_t* used;      // [list_slots] likewise its back (slots used this step: hit or filled), list order
   GatherJob* jobs;    // [entries]
+  int32_t* job_of;    // [entries] a kFilled entry's job
   int32_t* job_count; // [1]
   int32_t* misses;    // [batch] entries classified as misses, per sequence
 };
@@ -74,6 +79,7 @@ Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, std:
   w.unused = reinterpret_cast<int32_t*>(take(list_slots * 4));
   w.used = reinterpret_cast<int32_t*>(take(list_slots * 4));
   w.jobs = reinterpret_cast<GatherJob*>(take(entries * sizeof(GatherJob)));
+  w.job_of = reinterpret_cast<int32_t*>(take(entries * 4));
   w.job_count = reinterpret_cast<int32_t*>(take(4));
   w.misses = reinterpret_cast<int32_t*>(take(std::size_t(batch) * 4));
   if (total) *total = off;
@@ -84,6 +90,7 @@ struct Dims {
   int batch, kv_heads;
   std::size_t piece_bytes;
   bool strict;
+  bool fill_in_attention;
 };
 
 __device__ inline int UsedEntries(const ResolveParams& p, int row) {
@@ -250,8 +257,10 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
         p.hbm_slot[std::size_t(page) * H + h] = s[j];
         const char* home = static_cast<const char*>(p.host_addr[page]);
         char* const dst = static_cast<char*>(p.slots) + std::size_t(s[j]) * 2 * d.piece_bytes;
-        w.jobs[job_base + (e_rank - cands)] =
-            GatherJob{home + std::size_t(h) * d.piece_bytes, home + std::size_t(H + h) * d.piece_bytes, dst};
+        const int job = job_base + (e_rank - cands);
+        w.jobs[job] = GatherJob{home + std::size_t(h) * d.piece_bytes, home + std::size_t(H + h) * d.piece_bytes, dst};
+        w.state[e] = kFilled;
+        w.job_of[e] = job;
       }
       if (was_used[j] || taken) w.used[i - unused_rank] = s[j];  // (the list's own range of the workspace)
       else w.unused[l_begin + unused_rank] = s[j];
@@ -313,19 +322,38 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(ResolveParams
     const int st = i < n ? w.state[e] : kIdle;
     const uint32_t page = st != kIdle ? w.page[e] : 0;
     int32_t s = -1;
-    if (st == kHit || st == kMiss) s = p.hbm_slot[std::size_t(page) * d.kv_heads + h];
+    if (st == kHit || st == kMiss || st == kFilled) s = p.hbm_slot[std::size_t(page) * d.kv_heads + h];
     const ResolveRequest req{page, h, row, e};
     const bool is_cold = st == kCold, is_bypass = st == kMiss && s < 0, keep = s >= 0;
+    if (d.fill_in_attention) {
+      // Attention fetches what is not in its slot yet: the entry's own fill,
+      // or (another entry fills the slot) a read of the home alone.
+      if (st == kFilled) s = ~w.job_of[e];
+      const bool shared_fill = st == kMiss && s >= 0;
+      const unsigned mask = __ballot_sync(0xFFFFFFFFu, shared_fill);
+      if (mask) {
+        int base = 0;
+        if (lane == 0) base = atomicAdd(w.job_count, __popc(mask));
+        base = __shfl_sync(0xFFFFFFFFu, base, 0);
+        if (shared_fill) {
+          const int job = base + __popc(mask & ((1u << lane) - 1));
+          const char* home = static_cast<const char*>(p.host_addr[page]);
+          w.jobs[job] = GatherJob{home + std::size_t(h) * d.piece_bytes,
+                                  home + std::size_t(d.kv_heads + h) * d.piece_bytes, nullptr};
+          s = ~job;
+        }
+      }
+    }
     selected += WarpCount(st != kIdle);
     hits += WarpCount(st == kHit);
-    misses += WarpCount(st == kMiss);
+    misses += WarpCount(st == kMiss || st == kFilled);
     cold += WarpCount(is_cold);
     bypasses += WarpCount(is_bypass);
     dropped += WarpPush(is_cold, req, p.cold, p.cold_count, p.queue_capacity);
     dropped += WarpPush(is_bypass, req, p.bypass, p.bypass_count, p.queue_capacity);
     int rank, total;
     Scan(scan_tmp).ExclusiveSum(int(keep), rank, total);
-    if (keep) p.out_slots[e0 + out + rank] = s;
+    if (keep) p.out_slots[e0 + out + rank] = s;  // a slot, or ~job (see above)
     out += total;
     __syncthreads();  // scan_tmp is reused
   }
@@ -361,7 +389,7 @@ __global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* 
     for (int u = 0; u < kGatherUnroll; ++u) {
       const uint32_t i = i0 + u * stride;
       dst[u] = nullptr;
-      if (i < total) {
+      if (i < total && jobs[i / job_vecs].dst) {  // (read-only jobs: see ResolveFills)
         const GatherJob& j = jobs[i / job_vecs];
         const uint32_t within = i % job_vecs;
         const bool is_v = within >= piece_vecs;
@@ -429,7 +457,7 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
 
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
   const ResolveShape& s = plan.shape;
-  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict};
+  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict, s.fill_in_attention};
   const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, nullptr);
   const int rows = s.batch * s.kv_heads;
   const int entries = int(plan.entries);
@@ -443,7 +471,13 @@ cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaS
       LaunchChained(FinalizeKernel, dim3(rows), dim3(kFinalizeThreads), 0, stream, p, w, d)};
   for (const cudaError_t e : launched)
     if (e != cudaSuccess) return e;
+  if (s.fill_in_attention) return cudaSuccess;
   return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream);
+}
+
+ResolveFillList ResolveFills(const ResolvePlan& plan, void* workspace) {
+  const Workspace w = Carve(workspace, plan.entries, plan.list_slots, plan.shape.batch, nullptr);
+  return {w.jobs, w.job_count};
 }
 
 cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,

@@ -1,9 +1,12 @@
 // RunAttend against AttendPagesCpu (fp32 twin) over odd sizes: ragged rows of
 // head-pages in shuffled slots, a short tail page, empty rows, split-K on and
-// off; plus a CUDA-graph replay of select + attend that must equal the direct
-// run bit for bit.
+// off; entries fetched from mapped pinned host homes (AttendParams::fills:
+// stored into their slots, or read only), whose slots hold NaN until then;
+// plus a CUDA-graph replay of select + attend that must equal the direct run
+// bit for bit.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -28,8 +31,25 @@ void PrintTo(const AttendCase& c, std::ostream* os) {
 
 double Tolerance(DType t) { return t == DType::kF32 ? 2e-5 : t == DType::kF16 ? 2e-3 : 1.2e-2; }
 
-// One random problem; returns the worst relative L2 error over rows.
-double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
+// Owns a mapped pinned allocation.
+struct MappedHost {
+  void* host = nullptr;
+  void* device = nullptr;
+  explicit MappedHost(std::size_t bytes) {
+    if (bytes && cudaHostAlloc(&host, bytes, cudaHostAllocMapped) == cudaSuccess)
+      cudaHostGetDevicePointer(&device, host, 0);
+  }
+  ~MappedHost() { cudaFreeHost(host); }
+  MappedHost(const MappedHost&) = delete;
+  MappedHost& operator=(const MappedHost&) = delete;
+};
+
+// One random problem; returns the worst relative L2 error over rows. With
+// `fetch`, about a third of the sealed entries are fills: their bytes come
+// from a host home, their slots hold NaN; every other fill names its slot
+// (which must hold the home's bytes afterwards), the rest are read only
+// (their slots must stay as they were).
+double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed, bool fetch = false) {
   const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
   const int rows = B * H;
   std::mt19937 rng{uint32_t(seed)};
@@ -37,7 +57,8 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
   // random subset of the sequence's pages in random order, the tail last.
   const int odd[] = {1, S - 1, S, S + 1, 4099, 0 /* empty row */, 5 * S + 3, 300};
   std::vector<int> tokens(B);
-  for (int b = 0; b < B; ++b) tokens[b] = b < 8 ? odd[b] : int(rng() % 2000);
+  // (Fetching: batch 1 starts at 4099 tokens, so it has sealed pages.)
+  for (int b = 0; b < B; ++b) tokens[b] = b < 8 ? odd[fetch ? (b + 4) % 8 : b] : int(rng() % 2000);
   std::vector<int32_t> last_len(B);
   std::vector<int32_t> indptr(rows + 1, 0), count(rows);
   std::vector<std::vector<int>> row_pages(rows);
@@ -80,6 +101,34 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
   std::vector<float> q = RoundTo(questkv::test::RandomNormal(std::size_t(rows) * G * D, seed + 2, 0.f, 2.f), c.dtype);
   const float scale = 1.f / std::sqrt(float(D));
 
+  // Fills: the head-page's true bytes in its home, NaN in its slot.
+  const std::size_t piece = std::size_t(S) * D * DTypeBytes(c.dtype);
+  const std::vector<uint8_t> truth = Encode(pool, c.dtype);
+  std::vector<float> poisoned = pool;
+  struct Fetch {
+    int32_t slot;
+    bool store;
+  };
+  std::vector<Fetch> fetches;
+  for (int r = 0; fetch && r < rows; ++r)
+    for (int j = 0; j + 1 < count[r]; ++j)
+      if (rng() % 3 == 0) {
+        const int32_t slot = slot_ids[indptr[r] + j];
+        slot_ids[indptr[r] + j] = ~int32_t(fetches.size());
+        fetches.push_back({slot, fetches.size() % 2 == 0});
+        std::fill_n(poisoned.begin() + std::size_t(slot) * 2 * S * D, 2 * S * D, NAN);
+      }
+  MappedHost homes(fetches.size() * 2 * piece);
+  std::vector<GatherJob> jobs;
+  if (!fetches.empty()) EXPECT_NE(homes.device, nullptr);
+  for (std::size_t i = 0; i < fetches.size() && homes.device; ++i) {
+    // The home holds [K piece][V piece] here; the kernel takes each by pointer.
+    std::memcpy(static_cast<uint8_t*>(homes.host) + i * 2 * piece, truth.data() + std::size_t(fetches[i].slot) * 2 * piece,
+                2 * piece);
+    uint8_t* home = static_cast<uint8_t*>(homes.device) + i * 2 * piece;
+    jobs.push_back({home, home + piece, nullptr});  // dst: set once the pool is on the device
+  }
+
   AttendShape s;
   s.rows = rows;
   s.kv_heads = H;
@@ -93,9 +142,13 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
   std::string err;
   EXPECT_TRUE(PlanAttend(s, max_pages, num_sms, &plan, &err)) << err;
 
-  DeviceBuffer d_q, d_pool, d_indptr, d_count, d_slots, d_last, d_o, d_lse, d_ws;
+  DeviceBuffer d_q, d_pool, d_indptr, d_count, d_slots, d_last, d_o, d_lse, d_ws, d_jobs;
   Upload(d_q, Encode(q, c.dtype));
-  Upload(d_pool, Encode(pool, c.dtype));
+  const std::vector<uint8_t> pool_before = Encode(poisoned, c.dtype);
+  Upload(d_pool, pool_before);
+  for (std::size_t i = 0; i < jobs.size(); ++i)
+    if (fetches[i].store) jobs[i].dst = static_cast<uint8_t*>(d_pool.get()) + std::size_t(fetches[i].slot) * 2 * piece;
+  if (!jobs.empty()) Upload(d_jobs, jobs);
   Upload(d_indptr, indptr);
   Upload(d_count, count);
   Upload(d_slots, slot_ids);
@@ -115,10 +168,19 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed) {
   p.o = d_o.get();
   p.lse = d_lse.as<float>();
   p.workspace = d_ws.get();
+  if (!jobs.empty()) p.fills = d_jobs.as<GatherJob>();
   EXPECT_EQ(RunAttend(plan, p, nullptr), cudaSuccess) << LastErrorMessage();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> o = Decode(Download<uint8_t>(d_o, d_o.bytes()), c.dtype);
   const std::vector<float> lse = Download<float>(d_lse, std::size_t(rows) * G);
+  if (fetch) {
+    EXPECT_FALSE(fetches.empty()) << "no entry was fetched";
+    // Stored fills hold their homes' bytes; every other slot is as it was.
+    std::vector<uint8_t> want = pool_before;
+    for (const Fetch& f : fetches)
+      if (f.store) std::memcpy(want.data() + std::size_t(f.slot) * 2 * piece, truth.data() + std::size_t(f.slot) * 2 * piece, 2 * piece);
+    EXPECT_TRUE(Download<uint8_t>(d_pool, d_pool.bytes()) == want) << "slot pool after the fills";
+  }
 
   double worst = 0;
   std::vector<float> want_o(std::size_t(G) * D), want_m(G), want_d(G);
@@ -156,6 +218,17 @@ TEST_P(AttendCudaTest, MatchesCpuTwin) {
     const double worst = RunAttendCase(c, sms, 7 + sms + c.batch);
     EXPECT_LE(worst, Tolerance(c.dtype)) << "num_sms " << sms;
     RecordProperty("worst_rel_l2_sms" + std::to_string(sms), std::to_string(worst));
+  }
+}
+
+// Head-pages fetched from host homes while the others are read from HBM: the
+// same outputs within the same tolerance, the stored fills in their slots.
+TEST_P(AttendCudaTest, FetchesFillsFromHostHomes) {
+  QKV_REQUIRE_GPU();
+  const AttendCase c = GetParam();
+  for (int sms : {1, NumSms()}) {
+    const double worst = RunAttendCase(c, sms, 31 + sms + c.batch, /*fetch=*/true);
+    EXPECT_LE(worst, Tolerance(c.dtype)) << "num_sms " << sms;
   }
 }
 

@@ -18,6 +18,12 @@
 // and the selections equal the CPU policy (ScorePagesCpu + TopKCpu, sink,
 // local window) and the attention output agrees with AttendPagesCpu over the
 // selected pages within 2e-3 relative (f16).
+// With misses filled in attention (ResolveShape::fill_in_attention: no gather
+// kernel, the attention reads each miss from its home and stores it into its
+// slot) a third copy `u` is stepped the other way (resolve's gather, then
+// attention over slots only): outputs, tables, lists, counters and the slot
+// pool must equal it bit for bit, the resolved entries once the fetched ones
+// (~job) are read as the slots their jobs fill.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -261,6 +267,11 @@ struct Plans {
   int queue_capacity;
 };
 
+struct StepParam {
+  DType sum_dtype;
+  bool fill_in_attention;
+};
+
 void InitState(const Layer& L, const Plans& P, State& st) {
   Upload(st.pool, L.pool);
   Upload(st.summaries, Encode(L.slab, P.sum_dtype));
@@ -367,6 +378,7 @@ cudaError_t LaunchStep(const Plans& P, const Inputs& in, const State& st, int64_
   if (const cudaError_t e = LaunchResolve(P.resolve, rp, stream); e != cudaSuccess) return e;
 
   AttendParams at;
+  if (P.resolve.shape.fill_in_attention) at.fills = ResolveFills(P.resolve, st.res_ws.get()).jobs;
   at.scale = 1.f / std::sqrt(float(kD));
   at.q = in.q.get();
   at.slots = st.pool.get();
@@ -411,6 +423,31 @@ Snapshot Take(const Layer& L, const State& st) {
   return s;
 }
 
+// Resolved entries the attention fetched (~job) as the slots their jobs
+// filled; returns how many there were.
+int DecodeFills(const Plans& P, const State& st, Snapshot* s) {
+  if (!P.resolve.shape.fill_in_attention) return 0;
+  const ResolveFillList fills = ResolveFills(P.resolve, st.res_ws.get());
+  int32_t n = 0;
+  EXPECT_EQ(cudaMemcpy(&n, fills.count, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<GatherJob> jobs(std::max(n, 0));
+  EXPECT_EQ(cudaMemcpy(jobs.data(), fills.jobs, jobs.size() * sizeof(GatherJob), cudaMemcpyDeviceToHost), cudaSuccess);
+  int fetched = 0;
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < s->res_count[r]; ++j) {
+      int32_t& id = s->res_slots[P.select.out_indptr[r] + j];
+      if (id >= 0) continue;
+      ++fetched;
+      EXPECT_LT(~id, n) << "row " << r << " entry " << j;
+      if (~id >= n) continue;
+      // No page is shared here: every fetch fills its own slot.
+      const auto off = static_cast<const uint8_t*>(jobs[~id].dst) - static_cast<const uint8_t*>(st.pool.get());
+      EXPECT_TRUE(jobs[~id].dst != nullptr && off % (2 * kPiece) == 0) << "row " << r << " entry " << j;
+      id = int32_t(off / int64_t(2 * kPiece));
+    }
+  return fetched;
+}
+
 void ExpectSameSnapshot(const Snapshot& g, const Snapshot& d) {
   ExpectSame(g.o, d.o, "attention output (bytes)");
   ExpectSame(g.lse, d.lse, "lse");
@@ -441,11 +478,12 @@ struct GraphHolder {
   }
 };
 
-class LayerStepGraphTest : public ::testing::TestWithParam<DType> {};
+class LayerStepGraphTest : public ::testing::TestWithParam<StepParam> {};
 
 TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   QKV_REQUIRE_GPU();
-  const DType sum_dtype = GetParam();
+  const DType sum_dtype = GetParam().sum_dtype;
+  const bool fill = GetParam().fill_in_attention;
   std::mt19937 rng(4242 + int(sum_dtype));
   Layer L = BuildLayer(sum_dtype, rng);
   const int slots = int(L.slot_page.size());
@@ -467,9 +505,10 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   const int nnz = P.select.out_indptr.back();
   EXPECT_EQ(nnz, kH * (1 + 2 + int(kPageBudget)));  // kMax: exact row counts
   P.queue_capacity = nnz;
-  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline};
+  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline, fill};
   ASSERT_TRUE(PlanResolve(rs, nnz, L.part_indptr.back(), NumSms(), 0, &P.resolve, &err)) << err;
   ASSERT_EQ(P.resolve.piece_bytes, kPiece);
+  ASSERT_EQ(P.resolve.shape.fill_in_attention, fill);
   AttendShape as;
   as.rows = kRows;
   as.kv_heads = kH;
@@ -478,6 +517,8 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   as.page_size = kS;
   as.dtype = kKv;
   ASSERT_TRUE(PlanAttend(as, int(kPageBudget), NumSms(), &P.attend, &err)) << err;
+  Plans PU = P;  // the third copy's: the resolve gathers its misses
+  PU.resolve.shape.fill_in_attention = false;
 
   // Homes of the sealed pages, in mapped pinned memory: [2][Hkv][S][D] f16.
   const std::size_t page_bytes = kPageElems * 2;
@@ -507,10 +548,13 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   Upload(in.q, std::vector<uint8_t>(std::size_t(kRows) * kG * kD * 2, 0));
   Upload(in.last_len, std::vector<int32_t>(kB, 1));
 
-  // Two identical copies: `g` stepped by the graph, `d` by direct launches.
-  State g, d;
+  // Identical copies: `g` stepped by the graph, `d` by direct launches, and
+  // with fill_in_attention `u` by direct launches that gather instead.
+  State g, d, u;
   ASSERT_NO_FATAL_FAILURE(InitState(L, P, g));
   ASSERT_NO_FATAL_FAILURE(InitState(L, P, d));
+  if (fill) ASSERT_NO_FATAL_FAILURE(InitState(L, PU, u));
+  int fetched_total = 0;
   QKV_CUDA_OK(cudaDeviceSynchronize());
 
   GraphHolder gh;
@@ -578,8 +622,22 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
     QKV_CUDA_OK(cudaStreamSynchronize(stream));
     QKV_CUDA_OK(cudaGetLastError());
 
-    const Snapshot sg = Take(L, g), sd = Take(L, d);
+    // (Fetch jobs are numbered in the order the sequences' assign blocks
+    // ran: compare the slots they fill, not their numbers.)
+    Snapshot sg = Take(L, g), sd = Take(L, d);
+    const int fetched = DecodeFills(P, g, &sg);
+    EXPECT_EQ(DecodeFills(P, d, &sd), fetched);
+    fetched_total += fetched;
     ASSERT_NO_FATAL_FAILURE(ExpectSameSnapshot(sg, sd));
+    if (fill) {  // the same step with the resolve's gather: the same bits
+      QKV_CUDA_OK(LaunchStep(PU, in, u, step_value, stream));
+      QKV_CUDA_OK(cudaStreamSynchronize(stream));
+      QKV_CUDA_OK(cudaGetLastError());
+      const Snapshot su = Take(L, u);
+      EXPECT_TRUE(std::all_of(su.res_slots.begin(), su.res_slots.end(), [](int32_t x) { return x >= 0 || x == -7; }))
+          << "a gathering resolve names slots only";
+      ASSERT_NO_FATAL_FAILURE(ExpectSameSnapshot(sg, su));
+    }
     if (HasFailure()) return;  // one step's differences are enough to read
 
     // ---- against the CPU ----------------------------------------------------
@@ -680,14 +738,19 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   EXPECT_GT(c.hits, 0u);
   EXPECT_GT(c.misses_host, 0u);
   EXPECT_GT(c.evictions, 0u);
+  // Every miss of a fused step was fetched by the attention.
+  EXPECT_EQ(uint64_t(fetched_total), fill ? c.misses_host : 0u);
   RecordProperty("hits", std::to_string(c.hits));
   RecordProperty("misses_host", std::to_string(c.misses_host));
   RecordProperty("evictions", std::to_string(c.evictions));
 }
 
-INSTANTIATE_TEST_SUITE_P(Summaries, LayerStepGraphTest, ::testing::Values(DType::kF32, DType::kF16),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string("summary_") + DTypeName(info.param);
+INSTANTIATE_TEST_SUITE_P(Summaries, LayerStepGraphTest,
+                         ::testing::Values(StepParam{DType::kF32, false}, StepParam{DType::kF16, false},
+                                           StepParam{DType::kF32, true}, StepParam{DType::kF16, true}),
+                         [](const ::testing::TestParamInfo<StepParam>& info) {
+                           return std::string("summary_") + DTypeName(info.param.sum_dtype) +
+                                  (info.param.fill_in_attention ? "_fill_in_attention" : "_gather");
                          });
 
 }  // namespace
