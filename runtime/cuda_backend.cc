@@ -57,6 +57,16 @@ bool FillInAttention() {
   }();
   return on;
 }
+// With it, misses staged while the resolve chooses victims
+// (kc::ResolveShape::stage_pages) unless QUESTKV_NO_STAGING=1.
+constexpr std::size_t kStageBytes = std::size_t(16) << 20;
+bool StageMisses() {
+  static const bool on = [] {
+    const char* v = std::getenv("QUESTKV_NO_STAGING");
+    return !(v && v[0] == '1');
+  }();
+  return on;
+}
 
 // Bumped by every device or pinned allocation of this backend: a captured
 // step graph bakes pointers in, so a new allocation retires the graphs.
@@ -982,8 +992,12 @@ Status CudaBackendImpl::DecodeStep(const Step& s) {
   // its reads of the hits), unless a strict step resolves twice: its first
   // resolve's fills must land before the second classifies them as hits.
   const bool fill_in_attention = !cold_waits && FillInAttention();
+  // The first misses of a call (up to kStageBytes of head-pages; a recent
+  // query's ~55 a layer, a topic query's ~850) are fetched while the victims
+  // are chosen; the attention reads any beyond from their homes.
+  const int stage_pages = StageMisses() ? int(kStageBytes / (2 * piece())) : 0;
   const kc::ResolveShape rshape{B, H, S, D, dt, strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline,
-                                fill_in_attention};
+                                fill_in_attention, stage_pages};
   // The gather on every SM: within a step nothing runs beside it (the
   // attention waits for it), so the half-grid default, which leaves SMs to
   // work on other streams, would only slow it.

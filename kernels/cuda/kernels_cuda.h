@@ -228,6 +228,11 @@ struct ResolveShape {
   // run it before anything else reads them (a second resolve of the same
   // step, as strict's cold-miss retry does, must not follow a fused one).
   bool fill_in_attention = false;
+  // With fill_in_attention: up to this many misses a call are fetched into
+  // HBM staging (2 * piece_bytes each, in the workspace) by extra blocks of
+  // the assign while it chooses victims, and the attention reads them from
+  // there; later misses it reads from their homes. 0: none staged.
+  int stage_pages = 0;
 };
 
 struct ResolvePlan {
@@ -236,6 +241,8 @@ struct ResolvePlan {
   int64_t list_slots = 0;  // bound on part_indptr[batch]
   std::size_t piece_bytes = 0;  // one head-page's K (= its V)
   int gather_blocks = 0;
+  int stage_cap = 0;     // misses staged a call (ResolveShape::stage_pages, at most entries)
+  int stage_blocks = 0;  // the assign's staging blocks
   std::size_t workspace_bytes = 0;
 };
 // piece_bytes must be a multiple of 16. gather_blocks <= 0 picks the default,
@@ -275,7 +282,7 @@ struct ResolveParams {
   ResolveCounters* counters = nullptr;
   void* workspace = nullptr;              // PlanResolve's workspace_bytes
 };
-// Four launches (classify, assign, finalize, gather; no gather with
+// Five launches (reset, classify, assign, finalize, gather; no gather with
 // fill_in_attention); no host synchronisation.
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream);
 

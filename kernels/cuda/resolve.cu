@@ -2,7 +2,8 @@
 // launches, so that each phase sees the previous one complete:
 //  1. ClassifyKernel, a thread per entry: hit (touch the slot), cold, or miss
 //     (claim the residency cell with atomicMin: the lowest entry owns it;
-//     each sequence counts its misses).
+//     each sequence counts its misses; with staging, the first misses of
+//     the call get a staging index and a job from their home to it).
 //  2. AssignKernel, a block per sequence with misses (the others return at
 //     once): block scans rank the owned misses, then, in one pass over the
 //     partition's list (4096 slots a block scan), the eligible slots and the
@@ -11,6 +12,9 @@
 //     (staged in the workspace, copied back at the end).
 //     Blocks touch disjoint slots and disjoint residency cells (a claimed cell
 //     is never resident, an evicted one was not selected this step).
+//     With staging, blocks past the batch fetch the staged misses from their
+//     homes meanwhile (the gather's loop), so the PCIe round trips overlap
+//     the victim choice instead of following it.
 //  3. FinalizeKernel, a block per row: compacts the slots to attend in entry
 //     order (block scans), pushes host requests with warp-aggregated atomics,
 //     counts. With fill_in_attention a filled entry is attended as ~job (the
@@ -58,12 +62,17 @@ struct Workspace {
   GatherJob* jobs;    // [entries]
   int32_t* job_of;    // [entries] a kFilled entry's job
   int32_t* job_count; // [1]
+  int32_t* stage_of;       // [entries] a miss's staging index, -1: read from its home by the attention
+  GatherJob* stage_jobs;   // [stage_cap] home -> staging, in index order
+  int32_t* stage_count;    // [1] misses numbered (may pass stage_cap)
+  char* staging;           // [stage_cap][2][piece_bytes]
   int32_t* misses;    // [batch] entries classified as misses, per sequence
 };
 
 std::size_t Align(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
-Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, std::size_t* total) {
+Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, int64_t stage_cap, std::size_t piece,
+                std::size_t* total) {
   auto* p = static_cast<char*>(base);
   std::size_t off = 0;
   auto take = [&](std::size_t bytes) {
@@ -82,6 +91,10 @@ Workspace Carve(void* base, int64_t entries, int64_t list_slots, int batch, std:
   w.job_of = reinterpret_cast<int32_t*>(take(entries * 4));
   w.job_count = reinterpret_cast<int32_t*>(take(4));
   w.misses = reinterpret_cast<int32_t*>(take(std::size_t(batch) * 4));
+  w.stage_of = reinterpret_cast<int32_t*>(take(stage_cap ? entries * 4 : 0));
+  w.stage_jobs = reinterpret_cast<GatherJob*>(take(stage_cap * sizeof(GatherJob)));
+  w.stage_count = reinterpret_cast<int32_t*>(take(4));
+  w.staging = take(stage_cap * 2 * piece);
   if (total) *total = off;
   return w;
 }
@@ -91,6 +104,7 @@ struct Dims {
   std::size_t piece_bytes;
   bool strict;
   bool fill_in_attention;
+  int stage_cap;
 };
 
 __device__ inline int UsedEntries(const ResolveParams& p, int row) {
@@ -102,14 +116,15 @@ __device__ inline int UsedEntries(const ResolveParams& p, int row) {
 // graph replayed at later steps), else the value in the parameters.
 __device__ inline int64_t StepOf(const ResolveParams& p) { return p.step_ptr ? *p.step_ptr : p.step; }
 
-__global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count, int32_t* misses,
-                            int batch) {
+__global__ void ResetKernel(int32_t* cold_count, int32_t* bypass_count, int32_t* job_count, int32_t* stage_count,
+                            int32_t* misses, int batch) {
   ChainWait();
   ChainRelease();
   if (threadIdx.x == 0) {
     *cold_count = 0;
     *bypass_count = 0;
     *job_count = 0;
+    *stage_count = 0;
   }
   for (int b = threadIdx.x; b < batch; b += blockDim.x) misses[b] = 0;
 }
@@ -133,11 +148,12 @@ __global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams
   const int e = blockIdx.x * kClassifyThreads + threadIdx.x;
   const int rows = d.batch * d.kv_heads;
   bool miss = false;
-  int b = -1;
+  int b = -1, h = 0;
+  const char* home = nullptr;
   if (e < entries && e < p.sel_indptr[rows]) {
     const int row = RowOf(p.sel_indptr, rows, e);
     b = row / d.kv_heads;
-    const int h = row % d.kv_heads;
+    h = row % d.kv_heads;
     if (e - p.sel_indptr[row] >= UsedEntries(p, row)) {
       w.state[e] = kIdle;
     } else {
@@ -149,7 +165,7 @@ __global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams
       if (s >= 0) {
         w.state[e] = kHit;
         p.slot_last_use[s] = StepOf(p);
-      } else if (p.host_addr[page] == nullptr) {
+      } else if ((home = static_cast<const char*>(p.host_addr[page])) == nullptr) {
         w.state[e] = kCold;
       } else {
         w.state[e] = kMiss;
@@ -158,17 +174,81 @@ __global__ void __launch_bounds__(kClassifyThreads) ClassifyKernel(ResolveParams
       }
     }
   }
-  // One atomic per sequence present in the warp (a warp spans few rows).
   const unsigned lanes = __ballot_sync(0xFFFFFFFFu, miss);
   if (!lanes) return;
-  const unsigned same = __match_any_sync(0xFFFFFFFFu, miss ? b : -1);
   const int lane = threadIdx.x & 31;
+  if (d.stage_cap > 0) {  // the call's first stage_cap misses, numbered by one atomic a warp
+    const int leader = __ffs(lanes) - 1;
+    int base = 0;
+    if (lane == leader) base = atomicAdd(w.stage_count, __popc(lanes));
+    base = __shfl_sync(0xFFFFFFFFu, base, leader);
+    if (miss) {
+      const int idx = base + __popc(lanes & ((1u << lane) - 1));
+      w.stage_of[e] = idx < d.stage_cap ? idx : -1;
+      if (idx < d.stage_cap) {
+        char* const dst = w.staging + std::size_t(idx) * 2 * d.piece_bytes;
+        w.stage_jobs[idx] = GatherJob{home + std::size_t(h) * d.piece_bytes,
+                                      home + std::size_t(d.kv_heads + h) * d.piece_bytes, dst};
+      }
+    }
+  }
+  // One atomic per sequence present in the warp (a warp spans few rows).
+  const unsigned same = __match_any_sync(0xFFFFFFFFu, miss ? b : -1);
   if (miss && (same & lanes & ((1u << lane) - 1)) == 0) atomicAdd(&w.misses[b], __popc(same & lanes));
+}
+
+// Where miss entry e's K and V are read from, into dst: its staging copy when
+// it has one (fetched by the assign's staging blocks), else its home.
+__device__ inline GatherJob SourceOf(const ResolveParams& p, const Workspace& w, const Dims& d, int e, uint32_t page,
+                                     int h, void* dst) {
+  const int idx = d.stage_cap > 0 ? w.stage_of[e] : -1;
+  if (idx >= 0) {
+    const char* staged = w.staging + std::size_t(idx) * 2 * d.piece_bytes;
+    return GatherJob{staged, staged + d.piece_bytes, dst};
+  }
+  const char* home = static_cast<const char*>(p.host_addr[page]);
+  return GatherJob{home + std::size_t(h) * d.piece_bytes, home + std::size_t(d.kv_heads + h) * d.piece_bytes, dst};
+}
+
+// Jobs [0, n): K and V of each, as one flat range of 16-byte vectors striped
+// over `workers` threads (this one is `worker`), kGatherUnroll loads in
+// flight per thread before any store. Jobs without dst are read-only: skipped.
+__device__ void GatherJobs(const GatherJob* __restrict__ jobs, uint32_t n, uint32_t piece_vecs, uint32_t worker,
+                           uint32_t workers) {
+  const uint32_t job_vecs = 2 * piece_vecs;
+  const uint32_t total = n * job_vecs;
+  const uint32_t stride = workers;
+  for (uint32_t i0 = worker; i0 < total; i0 += stride * kGatherUnroll) {
+    uint4 v[kGatherUnroll];
+    uint4* dst[kGatherUnroll];
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const uint32_t i = i0 + u * stride;
+      dst[u] = nullptr;
+      if (i < total && jobs[i / job_vecs].dst) {  // (read-only jobs: see ResolveFills)
+        const GatherJob& j = jobs[i / job_vecs];
+        const uint32_t within = i % job_vecs;
+        const bool is_v = within >= piece_vecs;
+        const uint4* src = static_cast<const uint4*>(is_v ? j.v : j.k) + (within - (is_v ? piece_vecs : 0));
+        v[u] = Load16(src);
+        dst[u] = static_cast<uint4*>(j.dst) + within;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u)
+      if (dst[u]) *dst[u] = v[u];
+  }
 }
 
 __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, Workspace w, Dims d) {
   ChainWait();
   ChainRelease();
+  if (int(blockIdx.x) >= d.batch) {  // a staging block: fetch the staged misses
+    const uint32_t n = uint32_t(min(*w.stage_count, d.stage_cap));
+    GatherJobs(w.stage_jobs, n, uint32_t(d.piece_bytes / 16), (blockIdx.x - d.batch) * kAssignThreads + threadIdx.x,
+               (gridDim.x - d.batch) * kAssignThreads);
+    return;
+  }
   const int64_t step = StepOf(p);
   using Scan = cub::BlockScan<int, kAssignThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -255,10 +335,9 @@ __global__ void __launch_bounds__(kAssignThreads) AssignKernel(ResolveParams p, 
         p.slot_head[s[j]] = h;
         p.slot_last_use[s[j]] = step;
         p.hbm_slot[std::size_t(page) * H + h] = s[j];
-        const char* home = static_cast<const char*>(p.host_addr[page]);
         char* const dst = static_cast<char*>(p.slots) + std::size_t(s[j]) * 2 * d.piece_bytes;
         const int job = job_base + (e_rank - cands);
-        w.jobs[job] = GatherJob{home + std::size_t(h) * d.piece_bytes, home + std::size_t(H + h) * d.piece_bytes, dst};
+        w.jobs[job] = SourceOf(p, w, d, e, page, h, dst);
         w.state[e] = kFilled;
         w.job_of[e] = job;
       }
@@ -337,9 +416,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) FinalizeKernel(ResolveParams
         base = __shfl_sync(0xFFFFFFFFu, base, 0);
         if (shared_fill) {
           const int job = base + __popc(mask & ((1u << lane) - 1));
-          const char* home = static_cast<const char*>(p.host_addr[page]);
-          w.jobs[job] = GatherJob{home + std::size_t(h) * d.piece_bytes,
-                                  home + std::size_t(d.kv_heads + h) * d.piece_bytes, nullptr};
+          w.jobs[job] = SourceOf(p, w, d, e, page, h, nullptr);
           s = ~job;
         }
       }
@@ -379,29 +456,7 @@ __global__ void __launch_bounds__(kGatherThreads) GatherKernel(const GatherJob* 
                                                                uint32_t piece_vecs) {
   ChainWait();
   ChainRelease();
-  const uint32_t job_vecs = 2 * piece_vecs;
-  const uint32_t total = uint32_t(*job_count) * job_vecs;
-  const uint32_t stride = gridDim.x * blockDim.x;
-  for (uint32_t i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < total; i0 += stride * kGatherUnroll) {
-    uint4 v[kGatherUnroll];
-    uint4* dst[kGatherUnroll];
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      const uint32_t i = i0 + u * stride;
-      dst[u] = nullptr;
-      if (i < total && jobs[i / job_vecs].dst) {  // (read-only jobs: see ResolveFills)
-        const GatherJob& j = jobs[i / job_vecs];
-        const uint32_t within = i % job_vecs;
-        const bool is_v = within >= piece_vecs;
-        const uint4* src = static_cast<const uint4*>(is_v ? j.v : j.k) + (within - (is_v ? piece_vecs : 0));
-        v[u] = Load16(src);
-        dst[u] = static_cast<uint4*>(j.dst) + within;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u)
-      if (dst[u]) *dst[u] = v[u];
-  }
+  GatherJobs(jobs, uint32_t(*job_count), piece_vecs, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 }  // namespace
@@ -430,7 +485,11 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
   // the gather runs ~2x slower instead of 4.8x (132 blocks) or 21x (528).
   const int sms = num_sms > 0 ? num_sms : 132;
   out.gather_blocks = gather_blocks > 0 ? gather_blocks : std::max(1, sms / 2);
-  Carve(nullptr, entries, list_slots, s.batch, &out.workspace_bytes);
+  // Staging blocks of 1024 threads on a quarter of the SMs: as many loads in
+  // flight as the gather's 90%-of-the-link grid.
+  out.stage_cap = s.fill_in_attention ? int(std::min<int64_t>(entries, std::max(0, s.stage_pages))) : 0;
+  out.stage_blocks = out.stage_cap > 0 ? std::max(1, sms / 4) : 0;
+  Carve(nullptr, entries, list_slots, s.batch, out.stage_cap, piece, &out.workspace_bytes);
   *plan = out;
   return true;
 }
@@ -457,17 +516,18 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
 
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
   const ResolveShape& s = plan.shape;
-  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict, s.fill_in_attention};
-  const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, nullptr);
+  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict, s.fill_in_attention,
+               plan.stage_cap};
+  const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, plan.stage_cap, plan.piece_bytes, nullptr);
   const int rows = s.batch * s.kv_heads;
   const int entries = int(plan.entries);
   const cudaError_t launched[] = {
-      LaunchChained(ResetKernel, dim3(1), dim3(256), 0, stream, p.cold_count, p.bypass_count, w.job_count, w.misses,
-                    s.batch),
+      LaunchChained(ResetKernel, dim3(1), dim3(256), 0, stream, p.cold_count, p.bypass_count, w.job_count,
+                    w.stage_count, w.misses, s.batch),
       entries > 0 ? LaunchChained(ClassifyKernel, dim3((entries + kClassifyThreads - 1) / kClassifyThreads),
                                   dim3(kClassifyThreads), 0, stream, p, w, d, entries)
                   : cudaSuccess,
-      LaunchChained(AssignKernel, dim3(s.batch), dim3(kAssignThreads), 0, stream, p, w, d),
+      LaunchChained(AssignKernel, dim3(s.batch + plan.stage_blocks), dim3(kAssignThreads), 0, stream, p, w, d),
       LaunchChained(FinalizeKernel, dim3(rows), dim3(kFinalizeThreads), 0, stream, p, w, d)};
   for (const cudaError_t e : launched)
     if (e != cudaSuccess) return e;
@@ -476,7 +536,8 @@ cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaS
 }
 
 ResolveFillList ResolveFills(const ResolvePlan& plan, void* workspace) {
-  const Workspace w = Carve(workspace, plan.entries, plan.list_slots, plan.shape.batch, nullptr);
+  const Workspace w =
+      Carve(workspace, plan.entries, plan.list_slots, plan.shape.batch, plan.stage_cap, plan.piece_bytes, nullptr);
   return {w.jobs, w.job_count};
 }
 

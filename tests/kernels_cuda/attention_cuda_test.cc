@@ -120,7 +120,9 @@ double RunAttendCase(const AttendCase& c, int num_sms, uint64_t seed, bool fetch
       }
   MappedHost homes(fetches.size() * 2 * piece);
   std::vector<GatherJob> jobs;
-  if (!fetches.empty()) EXPECT_NE(homes.device, nullptr);
+  if (!fetches.empty()) {
+    EXPECT_NE(homes.device, nullptr);
+  }
   for (std::size_t i = 0; i < fetches.size() && homes.device; ++i) {
     // The home holds [K piece][V piece] here; the kernel takes each by pointer.
     std::memcpy(static_cast<uint8_t*>(homes.host) + i * 2 * piece, truth.data() + std::size_t(fetches[i].slot) * 2 * piece,

@@ -270,6 +270,7 @@ struct Plans {
 struct StepParam {
   DType sum_dtype;
   bool fill_in_attention;
+  int stage_pages;  // ResolveShape::stage_pages
 };
 
 void InitState(const Layer& L, const Plans& P, State& st) {
@@ -424,8 +425,9 @@ Snapshot Take(const Layer& L, const State& st) {
 }
 
 // Resolved entries the attention fetched (~job) as the slots their jobs
-// filled; returns how many there were.
-int DecodeFills(const Plans& P, const State& st, Snapshot* s) {
+// filled; returns how many there were, and in *staged how many of them it
+// read from the resolve's staging (in its workspace) rather than a home.
+int DecodeFills(const Plans& P, const State& st, Snapshot* s, int* staged = nullptr) {
   if (!P.resolve.shape.fill_in_attention) return 0;
   const ResolveFillList fills = ResolveFills(P.resolve, st.res_ws.get());
   int32_t n = 0;
@@ -440,6 +442,9 @@ int DecodeFills(const Plans& P, const State& st, Snapshot* s) {
       ++fetched;
       EXPECT_LT(~id, n) << "row " << r << " entry " << j;
       if (~id >= n) continue;
+      const auto* ws = static_cast<const uint8_t*>(st.res_ws.get());
+      const auto* k = static_cast<const uint8_t*>(jobs[~id].k);
+      if (staged && k >= ws && k < ws + st.res_ws.bytes()) ++*staged;
       // No page is shared here: every fetch fills its own slot.
       const auto off = static_cast<const uint8_t*>(jobs[~id].dst) - static_cast<const uint8_t*>(st.pool.get());
       EXPECT_TRUE(jobs[~id].dst != nullptr && off % (2 * kPiece) == 0) << "row " << r << " entry " << j;
@@ -484,6 +489,7 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   QKV_REQUIRE_GPU();
   const DType sum_dtype = GetParam().sum_dtype;
   const bool fill = GetParam().fill_in_attention;
+  const int stage = GetParam().stage_pages;
   std::mt19937 rng(4242 + int(sum_dtype));
   Layer L = BuildLayer(sum_dtype, rng);
   const int slots = int(L.slot_page.size());
@@ -505,10 +511,11 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   const int nnz = P.select.out_indptr.back();
   EXPECT_EQ(nnz, kH * (1 + 2 + int(kPageBudget)));  // kMax: exact row counts
   P.queue_capacity = nnz;
-  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline, fill};
+  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline, fill, stage};
   ASSERT_TRUE(PlanResolve(rs, nnz, L.part_indptr.back(), NumSms(), 0, &P.resolve, &err)) << err;
   ASSERT_EQ(P.resolve.piece_bytes, kPiece);
   ASSERT_EQ(P.resolve.shape.fill_in_attention, fill);
+  ASSERT_EQ(P.resolve.stage_cap, fill ? std::min(stage, nnz) : 0);
   AttendShape as;
   as.rows = kRows;
   as.kv_heads = kH;
@@ -518,7 +525,8 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   as.dtype = kKv;
   ASSERT_TRUE(PlanAttend(as, int(kPageBudget), NumSms(), &P.attend, &err)) << err;
   Plans PU = P;  // the third copy's: the resolve gathers its misses
-  PU.resolve.shape.fill_in_attention = false;
+  const ResolveShape rs_gather{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline};
+  ASSERT_TRUE(PlanResolve(rs_gather, nnz, L.part_indptr.back(), NumSms(), 0, &PU.resolve, &err)) << err;
 
   // Homes of the sealed pages, in mapped pinned memory: [2][Hkv][S][D] f16.
   const std::size_t page_bytes = kPageElems * 2;
@@ -625,8 +633,12 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
     // (Fetch jobs are numbered in the order the sequences' assign blocks
     // ran: compare the slots they fill, not their numbers.)
     Snapshot sg = Take(L, g), sd = Take(L, d);
-    const int fetched = DecodeFills(P, g, &sg);
+    int staged = 0;
+    const int fetched = DecodeFills(P, g, &sg, &staged);
     EXPECT_EQ(DecodeFills(P, d, &sd), fetched);
+    // The call's first stage_cap misses come from the staging, the rest from homes.
+    EXPECT_EQ(staged, std::min(fetched, P.resolve.stage_cap)) << "fetched " << fetched;
+    RecordProperty("fetched_staged_step" + std::to_string(step), std::to_string(fetched) + "/" + std::to_string(staged));
     fetched_total += fetched;
     ASSERT_NO_FATAL_FAILURE(ExpectSameSnapshot(sg, sd));
     if (fill) {  // the same step with the resolve's gather: the same bits
@@ -746,11 +758,16 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Summaries, LayerStepGraphTest,
-                         ::testing::Values(StepParam{DType::kF32, false}, StepParam{DType::kF16, false},
-                                           StepParam{DType::kF32, true}, StepParam{DType::kF16, true}),
+                         // stage 0: every miss read from its home by the attention; 3: the
+                         // first three of a call staged, the rest from homes; 4096: all staged
+                         ::testing::Values(StepParam{DType::kF32, false, 0}, StepParam{DType::kF16, false, 0},
+                                           StepParam{DType::kF32, true, 3}, StepParam{DType::kF16, true, 0},
+                                           StepParam{DType::kF16, true, 4096}),
                          [](const ::testing::TestParamInfo<StepParam>& info) {
                            return std::string("summary_") + DTypeName(info.param.sum_dtype) +
-                                  (info.param.fill_in_attention ? "_fill_in_attention" : "_gather");
+                                  (info.param.fill_in_attention
+                                       ? "_fill_in_attention_stage" + std::to_string(info.param.stage_pages)
+                                       : "_gather");
                          });
 
 }  // namespace
