@@ -10,7 +10,12 @@ namespace questkv {
 
 namespace {
 constexpr uint32_t kNoSlot = UINT32_MAX;
-constexpr int64_t kMaxOrderAge = 256;  // steps (decode calls) a demotion order is used for
+// Model steps a demotion order is used for. The runtime's step advances twice
+// a decode call, and a model step is a call per layer: at 256 runtime steps
+// (the bound before), a 32-layer model rebuilt its order every 4th step, and
+// at 1M tokens each rebuild (every host page scanned) stalled that step by
+// ~45 ms on the H200 machine (steps 4, 8, 12 at 63-68 ms against 21-27).
+constexpr int64_t kOrderAgeModelSteps = 64;
 // A demotion order holds the coldest this many pages only: sorting every
 // host page took 411 ms for 1.3M of them (a 1M-token Llama-3-8B's host tier;
 // this machine), the partial selection and sort of the coldest 64K 50 ms.
@@ -283,7 +288,7 @@ Status TierMover::WaitIdle(uint32_t page) {
 // place since the last EndReads stays: attention holds a pointer into it.
 // The order is computed once (a scan of every page, the coldest kOrderBatch
 // sorted) and consumed
-// across calls until it runs out or is kMaxOrderAge steps old: MakeHostRoom
+// across calls until it runs out or is kOrderAgeModelSteps old: MakeHostRoom
 // and Pump demote a queue's worth at a time, and re-sorting a million pages
 // for each would cost more than the writes. Entries are re-checked as they
 // are used; a page selected since the order was made is passed over.
@@ -291,10 +296,11 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
   auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
   std::size_t used = host_->used();
   bool queue_full = false;
+  const int64_t max_age = kOrderAgeModelSteps * 2 * std::max(1, g_.layers);
   // A stale or used-up order is rebuilt; one that runs out without reaching
   // the target is rebuilt once more (pages sealed or promoted since).
   for (int pass = 0; pass < 2 && used > target_used && !queue_full; ++pass) {
-    if (pass == 1 || order_pos_ >= order_.size() || step - order_step_ > kMaxOrderAge || step < order_step_) {
+    if (pass == 1 || order_pos_ >= order_.size() || step - order_step_ > max_age || step < order_step_) {
       order_.clear();
       for (uint32_t p = 0; p < homes_.size(); ++p)
         if (eligible(homes_[p])) order_.push_back(p);

@@ -35,7 +35,8 @@ const char* DTypeName(DType t);
 std::size_t DTypeBytes(DType t);
 
 // One head-page to fetch: its K piece and its V piece (S * D elements each,
-// in the pinned host home) and the slot [K][V] they go to (null: read only).
+// in its pinned host home or in a resolve's HBM staging) and the slot [K][V]
+// they go to (null: read only).
 struct GatherJob {
   const void* k;
   const void* v;
@@ -167,9 +168,10 @@ struct AttendParams {
                                       // last used entry; null: every entry is full
   // Optional: the misses a resolve left to the attention (ResolveShape::fill_in_attention).
   // An entry whose slot id is negative is fills[~id]: its K and V are read from
-  // the job's host home (16-byte loads over PCIe, beside the other entries'
-  // reads from HBM) and, when the job names a slot (dst), stored there too.
-  // Never a row's last entry (the tail is always in HBM).
+  // the job's source (its pinned host home: 16-byte loads over PCIe, beside the
+  // other entries' reads from HBM; or the resolve's staging) and, when the job
+  // names a slot (dst), stored there too. Never a row's last entry (the tail
+  // is always in HBM).
   const GatherJob* fills = nullptr;
   void* o = nullptr;                  // [rows][G][D]; zeros for an empty row
   float* lse = nullptr;               // optional [rows][G]: m + log d (-inf for an empty row)

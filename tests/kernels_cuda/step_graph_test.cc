@@ -561,7 +561,9 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   State g, d, u;
   ASSERT_NO_FATAL_FAILURE(InitState(L, P, g));
   ASSERT_NO_FATAL_FAILURE(InitState(L, P, d));
-  if (fill) ASSERT_NO_FATAL_FAILURE(InitState(L, PU, u));
+  if (fill) {
+    ASSERT_NO_FATAL_FAILURE(InitState(L, PU, u));
+  }
   int fetched_total = 0;
   QKV_CUDA_OK(cudaDeviceSynchronize());
 
