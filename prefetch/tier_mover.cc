@@ -315,6 +315,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
       std::sort(order_.begin(), order_.end(), colder);
       order_pos_ = 0;
       order_step_ = step;
+      ++stats_.demotion_orders;
     }
     for (; order_pos_ < order_.size() && used > target_used; ++order_pos_) {
       const uint32_t p = order_[order_pos_];

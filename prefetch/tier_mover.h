@@ -45,6 +45,7 @@ struct MoverStats {
   int64_t cold_stalls = 0;    // ... that the step waited for (strict)
   int64_t pages_skipped = 0;  // ... that the step attended without (deadline)
   int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0;
+  int64_t demotion_orders = 0;  // demotion orders built (each scans every page)
   int64_t io_errors = 0, corruptions = 0;
   uint32_t host_slots_capacity = 0, host_slots_used = 0, host_slots_peak = 0;
 };

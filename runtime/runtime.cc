@@ -773,6 +773,7 @@ TierStats Runtime::tier_stats() const {
   }
   t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops, t.prefetches = m.prefetches;
   t.deferred_seals = I.deferred_seals;
+  t.demotion_orders = m.demotion_orders;
   t.io_errors = m.io_errors, t.corruptions = m.corruptions;
   const uint64_t ps = I.host->slot_bytes();
   t.host_capacity_bytes = m.host_slots_capacity * ps, t.host_peak_bytes = m.host_slots_peak * ps;

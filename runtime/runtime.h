@@ -54,6 +54,7 @@ struct TierStats {
   int64_t hbm_hits = 0, hbm_misses = 0, hbm_evictions = 0, hbm_bypasses = 0;
   int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0;
   int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0, deferred_seals = 0;
+  int64_t demotion_orders = 0;  // coldest-first orders built (each scans every host page)
   int64_t io_errors = 0, corruptions = 0;
   uint64_t hbm_capacity_bytes = 0, hbm_peak_bytes = 0, hbm_used_bytes = 0;
   uint64_t host_capacity_bytes = 0, host_peak_bytes = 0, host_used_bytes = 0;

@@ -776,6 +776,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("clean_drops", t.clean_drops)
       .Field("prefetches", t.prefetches)
       .Field("deferred_seals", t.deferred_seals)
+      .Field("demotion_orders", t.demotion_orders)
       .Field("io_errors", t.io_errors)
       .Field("corruptions", t.corruptions)
       .EndObject();

@@ -129,6 +129,38 @@ TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
   CheckHomes();
 }
 
+// An order lives 64 model steps — 64 * 2 * layers runtime steps, the
+// runtime's step advancing twice a decode call — unless it runs out: at 1M
+// tokens building one scans every host page (~45 ms).
+TEST_F(TierMoverTest, ADemotionOrderLastsSixtyFourModelSteps) {
+  Geometry g32 = g_;
+  g32.layers = 32;
+  const int64_t age = 64 * 2 * 32;
+  mover_ = std::make_unique<TierMover>(g32, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+                                       disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  // Pages 0..6 fill 7 of 8 host slots (high water 6); the order made at
+  // step 20 holds them all, the coldest three go.
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  EXPECT_EQ(mover_->stats().demotion_orders, 1);
+  // Refilled and pumped an age later: the same order serves (3 goes next).
+  for (uint32_t p = 7; p < 10; ++p) SealPage(p, uint8_t(p), 21);
+  ASSERT_TRUE(mover_->Pump(20 + age).ok());
+  ASSERT_TRUE(mover_->Pump(21 + age).ok());
+  EXPECT_EQ(mover_->stats().demotion_orders, 1) << "an order younger than 64 model steps was rebuilt";
+  EXPECT_EQ(mover_->HostHome(3), nullptr);
+  // Past that age it is rebuilt.
+  for (uint32_t p = 10; p < 13; ++p) SealPage(p, uint8_t(p), 22 + age);
+  ASSERT_TRUE(mover_->Pump(21 + age + age).ok());
+  EXPECT_EQ(mover_->stats().demotion_orders, 2);
+  ASSERT_TRUE(mover_->Pump(22 + age + age).ok());  // the writes complete
+  EXPECT_LE(host_->used(), 6u);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
   // Pages 0..6 take 7 of 8 slots (high water 6); the three coldest (0, 1, 2) go to disk.
   for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(5 * p), 1);
