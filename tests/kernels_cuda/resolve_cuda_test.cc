@@ -6,6 +6,12 @@
 // pages shared by two sequences (one fetch for both), disk homes, pinned
 // tails, partitions too small (bypasses), queues too small (overflow), lists
 // named per sequence (part_lists), and a step replayed from a captured CUDA graph.
+// Fused (fill_in_attention, with and without staging): the resolve leaves its
+// misses as ~job; the test runs the jobs with LaunchGather (as the attention
+// would store them) and then expects the twin's pool bit for bit, each
+// fetched entry's job to fill the twin's slot, and each read-only job (a
+// page two sequences share, filled by the other's entry) to read the bytes
+// of the twin's slot.
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -56,7 +62,14 @@ struct Sel {
   std::vector<int32_t> indptr, count, pages;
 };
 
-void RunResolveCase(const ResolveCase& c, uint32_t seed) {
+// How the device resolves: with its gather, or leaving the misses to the
+// attention (fill_in_attention), with `stage` of them staged a call.
+struct Fetch {
+  bool fill = false;
+  int stage = 0;
+};
+
+void RunResolveCase(const ResolveCase& c, uint32_t seed, Fetch fetch = {}) {
   std::mt19937 rng(seed);
   const int B = c.batch, H = c.kv_heads, n = c.pages_per_seq;
   const std::size_t piece = std::size_t(c.page_size) * c.head_dim * DTypeBytes(c.dtype);
@@ -197,7 +210,8 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
     ResolveCpu(cp);
 
     // Device.
-    ResolveShape shape{B, H, c.page_size, c.head_dim, c.dtype, strict ? ColdPolicy::kStrict : ColdPolicy::kDeadline};
+    ResolveShape shape{B, H, c.page_size, c.head_dim, c.dtype, strict ? ColdPolicy::kStrict : ColdPolicy::kDeadline,
+                       fetch.fill, fetch.stage};
     ResolvePlan plan;
     std::string err;
     ASSERT_TRUE(PlanResolve(shape, entries, int64_t(t.part_slots.size()), NumSms(), 0, &plan, &err)) << err;
@@ -262,6 +276,17 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
     } else {
       QKV_CUDA_OK(LaunchResolve(plan, p, stream));
     }
+    // Fused: the jobs left to the attention, then stored as it would store them.
+    std::vector<GatherJob> fills;
+    if (fetch.fill) {
+      const ResolveFillList fl = ResolveFills(plan, d_ws.get());
+      int32_t n = 0;
+      QKV_CUDA_OK(cudaMemcpyAsync(&n, fl.count, 4, cudaMemcpyDeviceToHost, stream));
+      QKV_CUDA_OK(cudaStreamSynchronize(stream));
+      fills.resize(std::max(n, 0));
+      QKV_CUDA_OK(cudaMemcpy(fills.data(), fl.jobs, fills.size() * sizeof(GatherJob), cudaMemcpyDeviceToHost));
+      QKV_CUDA_OK(LaunchGather(fl.jobs, fl.count, piece, NumSms(), stream));
+    }
     ResolveCounters* host_counters = nullptr;
     QKV_CUDA_OK(cudaMallocHost(&host_counters, sizeof(ResolveCounters)));
     QKV_CUDA_OK(CopyResolveCountersAsync(p.counters, host_counters, stream));
@@ -279,8 +304,31 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed) {
     ASSERT_EQ(Download<int32_t>(d_pslots, t.part_slots.size()), t.part_slots);
     ASSERT_TRUE(Download<uint8_t>(d_pool, t.pool.size()) == t.pool) << "slot pool bytes differ";
     const auto g_count = Download<int32_t>(d_count, rows);
-    const auto g_out = Download<int32_t>(d_out, entries);
+    auto g_out = Download<int32_t>(d_out, entries);
     ASSERT_EQ(g_count, c_count);
+    int read_only = 0;
+    for (int r = 0; r < rows && fetch.fill; ++r)
+      for (int j = 0; j < c_count[r]; ++j) {
+        int32_t& id = g_out[s.indptr[r] + j];
+        if (id >= 0) continue;
+        ASSERT_LT(~id, int(fills.size())) << "row " << r;
+        const GatherJob& job = fills[~id];
+        const int32_t want = c_out[s.indptr[r] + j];
+        if (job.dst) {  // this entry's own fill: of the twin's slot
+          id = int32_t((static_cast<const uint8_t*>(job.dst) - d_pool.as<uint8_t>()) / int64_t(2 * piece));
+          continue;
+        }
+        // Read only: the job's source holds the bytes the twin's slot holds.
+        ++read_only;
+        std::vector<uint8_t> kv(2 * piece);
+        QKV_CUDA_OK(cudaMemcpy(kv.data(), job.k, piece, cudaMemcpyDefault));
+        QKV_CUDA_OK(cudaMemcpy(kv.data() + piece, job.v, piece, cudaMemcpyDefault));
+        ASSERT_EQ(0, std::memcmp(kv.data(), t.pool.data() + std::size_t(want) * 2 * piece, 2 * piece))
+            << "row " << r << " entry " << j << ": a read-only job's bytes";
+        id = want;
+      }
+    if (fetch.fill)
+      ::testing::Test::RecordProperty("read_only_jobs_step" + std::to_string(step), std::to_string(read_only));
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < c_count[r]; ++j) ASSERT_EQ(g_out[s.indptr[r] + j], c_out[s.indptr[r] + j]) << "row " << r;
     ASSERT_EQ(Download<int32_t>(d_ncold, 1)[0], c_ncold[0]);
@@ -311,6 +359,15 @@ class ResolveCudaTest : public ::testing::TestWithParam<ResolveCase> {};
 TEST_P(ResolveCudaTest, MatchesCpuTwinOverSteps) {
   QKV_REQUIRE_GPU();
   for (uint32_t seed : {11u, 12u}) RunResolveCase(GetParam(), seed + uint32_t(GetParam().batch));
+}
+
+// Misses left to the attention: none staged, the first 5 a call staged, all staged.
+TEST_P(ResolveCudaTest, FusedMatchesCpuTwinOverSteps) {
+  QKV_REQUIRE_GPU();
+  for (int stage : {0, 5, 1 << 20}) {
+    SCOPED_TRACE(::testing::Message() << "stage_pages " << stage);
+    RunResolveCase(GetParam(), 21u + uint32_t(GetParam().batch), Fetch{true, stage});
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
