@@ -47,24 +47,22 @@ Status CudaStatus(const char* what, cudaError_t e) {
     if (qkv_e_ != cudaSuccess) return CudaStatus(#expr, qkv_e_);    \
   } while (0)
 
+bool EnvIsOne(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
 // Misses fetched by the attention (kc::ResolveShape::fill_in_attention)
 // unless QUESTKV_GATHER_MISSES=1 asks for the resolve's own gather kernel
 // (the same binary measured both ways; the outputs are bit for bit equal).
 bool FillInAttention() {
-  static const bool on = [] {
-    const char* v = std::getenv("QUESTKV_GATHER_MISSES");
-    return !(v && v[0] == '1');
-  }();
+  static const bool on = !EnvIsOne("QUESTKV_GATHER_MISSES");
   return on;
 }
 // With it, misses staged while the resolve chooses victims
 // (kc::ResolveShape::stage_pages) unless QUESTKV_NO_STAGING=1.
 constexpr std::size_t kStageBytes = std::size_t(16) << 20;
 bool StageMisses() {
-  static const bool on = [] {
-    const char* v = std::getenv("QUESTKV_NO_STAGING");
-    return !(v && v[0] == '1');
-  }();
+  static const bool on = !EnvIsOne("QUESTKV_NO_STAGING");
   return on;
 }
 

@@ -406,7 +406,7 @@ void BenchFill(const Shared& g, double limit) {
     const int entries = a.rows * pages;
     void *q, *pool, *o_fill, *o_gather, *ws;
     int32_t *d_indptr, *d_fill_ids, *d_slot_ids, *d_count;
-    GatherJob *d_fills, *d_jobs;
+    GatherJob* d_jobs;  // the fused attention's fills and the gather's jobs alike
     CHECK(cudaMalloc(&q, std::size_t(a.rows) * G * D * 2));
     CHECK(cudaMalloc(&pool, std::size_t(entries) * head_page));
     CHECK(cudaMalloc(&o_fill, std::size_t(a.rows) * G * D * 2));
@@ -417,7 +417,6 @@ void BenchFill(const Shared& g, double limit) {
     CHECK(cudaMalloc(&d_fill_ids, entries * 4));
     CHECK(cudaMalloc(&d_slot_ids, entries * 4));
     CHECK(cudaMalloc(&d_count, 4));
-    CHECK(cudaMalloc(&d_fills, entries * sizeof(GatherJob)));
     CHECK(cudaMalloc(&d_jobs, entries * sizeof(GatherJob)));
     FillRandom<<<1024, 256>>>(static_cast<uint32_t*>(q), std::size_t(a.rows) * G * D / 2, 5);
     FillRandom<<<1024, 256>>>(static_cast<uint32_t*>(pool), std::size_t(entries) * head_page / 4, 6);
@@ -445,7 +444,6 @@ void BenchFill(const Shared& g, double limit) {
       const int32_t n = int32_t(jobs.size());
       CHECK(cudaMemcpy(d_slot_ids, slot_ids.data(), entries * 4, cudaMemcpyHostToDevice));
       CHECK(cudaMemcpy(d_fill_ids, fill_ids.data(), entries * 4, cudaMemcpyHostToDevice));
-      if (n) CHECK(cudaMemcpy(d_fills, jobs.data(), n * sizeof(GatherJob), cudaMemcpyHostToDevice));
       if (n) CHECK(cudaMemcpy(d_jobs, jobs.data(), n * sizeof(GatherJob), cudaMemcpyHostToDevice));
       CHECK(cudaMemcpy(d_count, &n, 4, cudaMemcpyHostToDevice));
       AttendParams base;
@@ -456,7 +454,7 @@ void BenchFill(const Shared& g, double limit) {
       base.workspace = ws;
       AttendParams fused = base, plain = base;
       fused.slot_ids = d_fill_ids;
-      fused.fills = d_fills;
+      fused.fills = d_jobs;
       fused.o = o_fill;
       plain.slot_ids = d_slot_ids;
       plain.o = o_gather;
@@ -501,7 +499,7 @@ void BenchFill(const Shared& g, double limit) {
     }
     for (void* x : {q, pool, o_fill, o_gather, ws}) CHECK(cudaFree(x));
     for (void* x : {static_cast<void*>(d_indptr), static_cast<void*>(d_fill_ids), static_cast<void*>(d_slot_ids),
-                    static_cast<void*>(d_count), static_cast<void*>(d_fills), static_cast<void*>(d_jobs)})
+                    static_cast<void*>(d_count), static_cast<void*>(d_jobs)})
       CHECK(cudaFree(x));
   }
 }
