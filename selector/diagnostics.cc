@@ -5,6 +5,7 @@
 #include <limits>
 #include <queue>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -146,11 +147,26 @@ void SlackStats(StepDiagnostics* d) {
   d->slack_max = max;
 }
 
+// Runs body(h) for h in [0, n) on up to `threads` threads (this one among
+// them), heads dealt round-robin; returns when every call has returned.
+template <typename Body>
+void ForEachHead(int n, int threads, const Body& body) {
+  const int workers = std::clamp(threads, 1, std::max(n, 1));
+  std::vector<std::thread> pool;
+  pool.reserve(workers - 1);
+  auto run = [&](int first) {
+    for (int h = first; h < n; h += workers) body(h);
+  };
+  for (int w = 1; w < workers; ++w) pool.emplace_back(run, w);
+  run(0);
+  for (std::thread& t : pool) t.join();
+}
+
 }  // namespace
 
 Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseView& kv,
                                  const PageSelection& sel, const float* scores,
-                                 const float* sparse_out, int top_r) {
+                                 const float* sparse_out, int top_r, int threads) {
   QKV_RETURN_IF_ERROR(ValidateCommon(g, q, kv, scores, top_r));
   if (sparse_out == nullptr) return Status::InvalidArgument("sparse_out is null");
   const int pages = NumPages(kv.tokens, g.page_size);
@@ -158,25 +174,35 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
   const double scale = 1.0 / std::sqrt(double(g.head_dim));
   StepDiagnostics d;
   d.slack.resize(std::size_t(g.q_heads) * pages);
-  std::vector<double> logits;
-  std::vector<uint8_t> selected;
-  std::vector<float> dense(g.head_dim);
-  double err_sq = 0, ref_sq = 0;
-  for (int hq = 0; hq < g.q_heads; ++hq) {
+  struct Head {
+    double page_recall = 0, mass_recall = 0, err_sq = 0, ref_sq = 0;
+  };
+  std::vector<Head> heads(g.q_heads);
+  ForEachHead(g.q_heads, threads, [&](int hq) {
     const HeadView hv = ViewOf(g, q, kv, hq);
+    std::vector<double> logits;
+    std::vector<uint8_t> selected;
+    std::vector<float> dense(g.head_dim);
     Logits(hv, &logits);
     SelectedPages(sel, hq / g.group(), pages, &selected);
-    d.page_recall += PageRecall(logits, top_r, g.page_size, selected);
-    d.attention_mass_recall += MassRecall(logits, scale, g.page_size, selected);
-    Slack(logits, g.page_size, scores + std::size_t(hq) * pages,
-          d.slack.data() + std::size_t(hq) * pages);
+    Head& h = heads[hq];
+    h.page_recall = PageRecall(logits, top_r, g.page_size, selected);
+    h.mass_recall = MassRecall(logits, scale, g.page_size, selected);
+    Slack(logits, g.page_size, scores + std::size_t(hq) * pages, d.slack.data() + std::size_t(hq) * pages);
     kernels::DenseAttentionReference(hv.q, hv.k, hv.v, hv.tokens, hv.head_dim, hv.head_dim, scale,
                                      dense.data());
     const float* sparse = sparse_out + std::size_t(hq) * g.head_dim;
     for (int j = 0; j < g.head_dim; ++j) {
-      err_sq += (double(sparse[j]) - dense[j]) * (double(sparse[j]) - dense[j]);
-      ref_sq += double(dense[j]) * dense[j];
+      h.err_sq += (double(sparse[j]) - dense[j]) * (double(sparse[j]) - dense[j]);
+      h.ref_sq += double(dense[j]) * dense[j];
     }
+  });
+  double err_sq = 0, ref_sq = 0;
+  for (const Head& h : heads) {
+    d.page_recall += h.page_recall;
+    d.attention_mass_recall += h.mass_recall;
+    err_sq += h.err_sq;
+    ref_sq += h.ref_sq;
   }
   d.page_recall /= g.q_heads;
   d.attention_mass_recall /= g.q_heads;
@@ -235,15 +261,15 @@ int SearchHead(const HeadView& hv, const float* scores, int top_r, std::vector<i
 }  // namespace
 
 Result<ExactTopR> ExactTopRSearch(const Geometry& g, const float* q, const DenseView& kv,
-                                  const float* scores, int top_r) {
+                                  const float* scores, int top_r, int threads) {
   QKV_RETURN_IF_ERROR(ValidateCommon(g, q, kv, scores, top_r));
   const int pages = NumPages(kv.tokens, g.page_size);
   ExactTopR r;
   r.tokens.resize(g.q_heads);
   r.pages_read.resize(g.q_heads);
-  for (int hq = 0; hq < g.q_heads; ++hq)
-    r.pages_read[hq] =
-        SearchHead(ViewOf(g, q, kv, hq), scores + std::size_t(hq) * pages, top_r, &r.tokens[hq]);
+  ForEachHead(g.q_heads, threads, [&](int hq) {
+    r.pages_read[hq] = SearchHead(ViewOf(g, q, kv, hq), scores + std::size_t(hq) * pages, top_r, &r.tokens[hq]);
+  });
   return r;
 }
 

@@ -40,10 +40,12 @@ struct StepDiagnostics {
 // the dense output use the scale 1/sqrt(D). InvalidArgument for an invalid
 // geometry, null pointers, T < 1, K/V sizes other than [Hkv][T][D], a
 // selection that is not a CSR of Hkv rows of pages in [0, P), or R outside
-// 1..T.
+// 1..T. threads: query heads are spread over up to this many threads (at
+// least 1); the result does not depend on it (per-head figures are summed
+// in head order).
 Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseView& kv,
                                  const PageSelection& sel, const float* scores,
-                                 const float* sparse_out, int top_r);
+                                 const float* sparse_out, int top_r, int threads = 1);
 
 // Exact top-R by branch-and-bound (seed §3.2): per query head, read pages in
 // descending order of U_p (ties toward the lower page; a NaN bound is read
@@ -52,12 +54,12 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
 // exact dense top-R tokens under Diagnose's ranking: the bounds hold by eq. 4,
 // and each fp32 U_p is widened by 1e-4·(1+|U_p|) before the comparison so its
 // rounding cannot end the search early (it may read a page more).
-// Same inputs and errors as Diagnose, less the selection and output.
+// Same inputs, threads and errors as Diagnose, less the selection and output.
 struct ExactTopR {
   std::vector<std::vector<int32_t>> tokens;  // [Hq] token indices, ascending
   std::vector<int32_t> pages_read;           // [Hq]
 };
 Result<ExactTopR> ExactTopRSearch(const Geometry& g, const float* q, const DenseView& kv,
-                                  const float* scores, int top_r);
+                                  const float* scores, int top_r, int threads = 1);
 
 }  // namespace questkv

@@ -224,6 +224,34 @@ TEST(Diagnose, PartialSelectionMatchesBruteForce) {
       }
 }
 
+// Query heads spread over threads: every figure equals the one-thread run
+// bit for bit (which PartialSelectionMatchesBruteForce checks), for more
+// threads than heads too.
+TEST(Diagnose, ThreadsDoNotChangeTheResult) {
+  const Geometry g = MakeGeometry(8, 2, 7, 24);
+  const int tokens = 40 * 7 + 3, pages = NumPages(g, tokens);
+  const Step s = RandomStep(g, tokens, 77);
+  std::vector<std::vector<int>> rows(2);
+  for (int p = 0; p < pages; ++p)
+    if (p % 3 != 1 || p == pages - 1) rows[p % 2].push_back(p);
+  const auto sparse = SparseOut(s, rows);
+  auto one = Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), sparse.data(), 9, 1);
+  auto exact_one = ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 9, 1);
+  ASSERT_TRUE(one.ok() && exact_one.ok());
+  ASSERT_LT(one->page_recall, 1.0);  // a selection that misses some of the top tokens
+  for (int threads : {0, 2, 3, 8, 100}) {
+    auto r = Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), sparse.data(), 9, threads);
+    auto exact = ExactTopRSearch(g, s.q.data(), s.kv, s.scores.data(), 9, threads);
+    ASSERT_TRUE(r.ok() && exact.ok()) << threads;
+    EXPECT_EQ(r->page_recall, one->page_recall) << threads;
+    EXPECT_EQ(r->attention_mass_recall, one->attention_mass_recall) << threads;
+    EXPECT_EQ(r->output_rel_error, one->output_rel_error) << threads;
+    EXPECT_EQ(r->slack, one->slack) << threads;
+    EXPECT_EQ(exact->tokens, exact_one->tokens) << threads;
+    EXPECT_EQ(exact->pages_read, exact_one->pages_read) << threads;
+  }
+}
+
 // Seed §1.1's four pages, one key each side of the box (see select_test):
 // the global top-1 token lives in A, which K = 2 misses and K = 3 recalls.
 TEST(Diagnose, SeedFourPageExampleRecall) {
