@@ -27,7 +27,8 @@ constexpr const char* kUsage =
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
     "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
-    "report:    --recall-every 8 (0: no recall) --top-r 16 --json --no-progress\n"
+    "report:    --recall-every 8 (0: no recall) --recall-layers L0,L1,... [every sparse layer] --top-r 16\n"
+    "           --json --no-progress\n"
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
     "           --metrics-linger-ms MS (keep serving after the run)\n";
 
@@ -113,6 +114,12 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(int64_t every, f.Int("recall-every", o.recall_every, 0, INT32_MAX));
   QKV_ASSIGN_OR_RETURN(int64_t top_r, f.Int("top-r", o.top_r, 1, 1 << 20));
   o.recall_every = int(every), o.top_r = int(top_r);
+  QKV_ASSIGN_OR_RETURN(std::vector<int64_t> recall_layers, f.IntList("recall-layers", {}));
+  for (int64_t l : recall_layers) {
+    if (l < 0 || l >= g.layers)  // dense layers are refused by RunJob
+      return Status::InvalidArgument("--recall-layers: " + std::to_string(l) + " is not a layer");
+    o.recall_layers.push_back(int(l));
+  }
   o.progress = !f.has("no-progress");
   QKV_ASSIGN_OR_RETURN(int64_t port, f.Int("metrics-port", -1, -1, 65535));
   QKV_ASSIGN_OR_RETURN(int64_t linger, f.Int("metrics-linger-ms", 0, 0, 600000));
@@ -127,7 +134,7 @@ int RunMain(int argc, char** argv) {
   Flags flags({"backend", "dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
-               "cold-miss", "prefetch-pages", "recall-every", "top-r", "metrics-port", "metrics-linger-ms"},
+               "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms"},
               {"json", "no-progress", "no-cuda-graphs", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);

@@ -279,15 +279,17 @@ struct LayerDiagnostics {
 // A diagnosed step's recall diagnostics, after the step (outside its timing;
 // each layer's K/V and summaries stay as they were until its next append):
 // per layer the K/V and Quest scores are gathered, then the dense scoring
-// and the exact top-R search (seconds of CPU a layer at 128K) run on worker
-// threads, at most max_inflight_ layers at a time (bounded by memory: each
-// holds its gathered K/V), all joined before the next step starts.
+// and the exact top-R search (seconds of CPU a layer at 128K, a minute at
+// 1M) run on worker threads, at most max_inflight_ layers at a time (bounded
+// by memory: each holds its gathered K/V), each layer's query heads spread
+// over the cores left to it, all joined before the next step starts.
 class Diagnostics {
  public:
   explicit Diagnostics(std::size_t view_bytes) {
     const std::size_t cap = std::size_t(8) << 30;  // gathered K/V in flight
     const std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
     max_inflight_ = std::max<std::size_t>(1, std::min(threads, cap / std::max<std::size_t>(view_bytes, 1)));
+    head_threads_ = int(std::max<std::size_t>(1, threads / max_inflight_));
   }
   ~Diagnostics() {
     for (auto& f : inflight_) f.wait();
@@ -298,23 +300,27 @@ class Diagnostics {
     const Geometry& g = o.config.geometry;
     const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
     const std::size_t B = batch.ids.size();
+    // Joined first, so that at most max_inflight_ gathered views exist at once.
+    while (inflight_.size() >= max_inflight_) QKV_RETURN_IF_ERROR(Join(r));
     auto views = std::make_shared<std::vector<DenseView>>(B);
     auto scores = std::make_shared<std::vector<std::vector<float>>>(B);
     for (std::size_t b = 0; b < B; ++b) {
       QKV_ASSIGN_OR_RETURN((*views)[b], rt.Gather(batch.ids[b], layer));
       QKV_ASSIGN_OR_RETURN((*scores)[b], rt.Scores(batch.ids[b], layer, q + b * qstride));
     }
-    while (inflight_.size() >= max_inflight_) QKV_RETURN_IF_ERROR(Join(r));
     inflight_.push_back(std::async(
-        std::launch::async, [g, top_r = o.top_r, views, scores, sels, qv = std::vector<float>(q, q + B * qstride),
+        std::launch::async, [g, top_r = o.top_r, threads = head_threads_, views, scores, sels,
+                             qv = std::vector<float>(q, q + B * qstride),
                              ov = std::vector<float>(out, out + B * qstride), qstride]() -> Result<LayerDiagnostics> {
           LayerDiagnostics d;
           for (std::size_t b = 0; b < views->size(); ++b) {
             const DenseView& view = (*views)[b];
             const float* sc = (*scores)[b].data();
             QKV_ASSIGN_OR_RETURN(StepDiagnostics s,
-                                 Diagnose(g, qv.data() + b * qstride, view, sels[b], sc, ov.data() + b * qstride, top_r));
-            QKV_ASSIGN_OR_RETURN(ExactTopR exact, ExactTopRSearch(g, qv.data() + b * qstride, view, sc, top_r));
+                                 Diagnose(g, qv.data() + b * qstride, view, sels[b], sc, ov.data() + b * qstride,
+                                          top_r, threads));
+            QKV_ASSIGN_OR_RETURN(ExactTopR exact,
+                                 ExactTopRSearch(g, qv.data() + b * qstride, view, sc, top_r, threads));
             const int pages = int((view.tokens + g.page_size - 1) / g.page_size);
             double read = 0;
             for (int32_t n : exact.pages_read) read += double(n) / pages;
@@ -352,6 +358,7 @@ class Diagnostics {
   }
 
   std::size_t max_inflight_ = 1;
+  int head_threads_ = 1;
   std::deque<std::future<Result<LayerDiagnostics>>> inflight_;
 };
 
@@ -425,6 +432,12 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       batch.workloads[b].Query(layer, step, q.data() + b * qstride);
     }
   };
+  // The (sparse) layers a diagnosed step diagnoses.
+  auto diagnosed_layer = [&](int layer) {
+    return !o.config.policy.is_dense(layer) &&
+           (o.recall_layers.empty() ||
+            std::find(o.recall_layers.begin(), o.recall_layers.end(), layer) != o.recall_layers.end());
+  };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
     // Diagnosed steps go through the host calls: they need the selections.
@@ -456,12 +469,13 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
         QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
       const auto t1 = std::chrono::steady_clock::now();
       // Selections are read back only when the diagnostics need them.
-      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(), diagnose ? &sels : nullptr,
-                                             &stats));
+      const bool diagnose_layer = diagnose && diagnosed_layer(layer);
+      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(),
+                                             diagnose_layer ? &sels : nullptr, &stats));
       const auto t2 = std::chrono::steady_clock::now();
       append_us += 1e6 * std::chrono::duration<double>(t1 - t0).count();
       step_seconds += std::chrono::duration<double>(t2 - t0).count();
-      if (diagnose && in_memory && !o.config.policy.is_dense(layer)) {
+      if (diagnose_layer && in_memory) {
         // Dense attention in memory over the same K/V, for comparison; its
         // cache lookups are not part of the run's traffic.
         const TierStats before = rt.tier_stats();
@@ -475,13 +489,14 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       }
       Digest(r.output_digest, out.data(), out.size());
       QKV_RETURN_IF_ERROR(count_offload(layer));
-      if (diagnose && !o.config.policy.is_dense(layer)) deferred.push_back({layer, q, out, sels});
+      if (diagnose_layer) deferred.push_back({layer, q, out, sels});
     }
     {
       const TierStats after = rt.tier_stats();
       RunReport::StepRecord rec;
       rec.us = step_seconds * 1e6;
-      rec.instrumented = instrumented(step);
+      // A diagnosed step of the device-pointer decode ran through the host calls.
+      rec.instrumented = instrumented(step) || (device && diagnose);
       rec.graphs_captured = stats.graphs_captured - graphs_before;
       rec.query = batch.workloads[0].Target(step).kind;
       rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
@@ -540,6 +555,14 @@ Result<RunReport> RunJob(const RunOptions& o) {
   if (o.decode_steps < 0) return Status::InvalidArgument("decode_steps must be >= 0");
   if (o.batch < 1) return Status::InvalidArgument("batch must be >= 1");
   if (o.top_r < 1) return Status::InvalidArgument("top_r must be >= 1");
+  for (int layer : o.recall_layers) {
+    if (layer < 0 || layer >= o.config.geometry.layers)
+      return Status::InvalidArgument("recall layer " + std::to_string(layer) + " is not a layer (0.." +
+                                     std::to_string(o.config.geometry.layers - 1) + ")");
+    if (o.config.policy.is_dense(layer))
+      return Status::InvalidArgument("recall layer " + std::to_string(layer) +
+                                     " is dense: it attends every page, there is no selection to diagnose");
+  }
   RunReport r;
   r.options = o;
   r.output_digest = 14695981039346656037ull;
@@ -700,8 +723,14 @@ std::string FormatReport(const RunReport& r) {
   if (r.diagnosed == 0) {
     Line(out, "  recall             not sampled (--recall-every 0, or every layer dense)\n");
   } else {
-    Line(out, "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e\n", r.diagnosed,
-         r.page_recall, r.attention_mass_recall, r.output_rel_error);
+    std::string layers = "every sparse layer";
+    if (!o.recall_layers.empty()) {
+      layers = "layers";
+      for (std::size_t i = 0; i < o.recall_layers.size(); ++i)
+        layers += (i ? "," : " ") + std::to_string(o.recall_layers[i]);
+    }
+    Line(out, "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e (every %d steps, %s)\n",
+         r.diagnosed, r.page_recall, r.attention_mass_recall, r.output_rel_error, o.recall_every, layers.c_str());
     Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
          r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
   }
@@ -792,7 +821,10 @@ std::string ReportJson(const RunReport& r) {
       .Field("output_rel_error", r.output_rel_error)
       .Field("slack_mean", r.slack_mean)
       .Field("exact_pages_read_fraction", r.exact_pages_read_fraction)
-      .EndObject();
+      .Field("every", o.recall_every)
+      .BeginArray("layers");  // empty: every sparse layer
+  for (int layer : o.recall_layers) j.Value(int64_t(layer));
+  j.EndArray().EndObject();
   j.BeginObject("step_latency_us")
       .Field("p50", r.step_latency_us.p50)
       .Field("p99", r.step_latency_us.p99)

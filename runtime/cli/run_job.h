@@ -25,6 +25,9 @@ struct RunOptions {
   int batch = 1;                 // sequences; sequence b holds context_tokens - 7*b tokens
   int recall_every = 8;          // diagnose every N-th step (0: never)
   int top_r = 16;                // R of the page-recall and exact top-R diagnostics
+  // The sparse layers a diagnosed step diagnoses (empty: every sparse layer);
+  // at 1M tokens one layer's diagnostics cost seconds of every core.
+  std::vector<int> recall_layers;
   bool progress = true;
   // CUDA backend: generate the prefill's K/V on the GPU (the same values as
   // the host generator) and append them from device memory.
@@ -54,7 +57,8 @@ struct RunReport {
   // the steps replayed as a production engine runs them; the steps launched
   // directly with events between the phases (for step_breakdown_us) pay
   // launch costs a graph does not (~1 ms at 32 layers) and are summarised
-  // apart in step_latency_instrumented_us. CPU backend: every step.
+  // apart in step_latency_instrumented_us, with the diagnosed steps (run
+  // through the host calls, which wait for every layer). CPU backend: every step.
   Percentiles step_latency_us;
   Percentiles step_latency_instrumented_us;
   struct Breakdown {

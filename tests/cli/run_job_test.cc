@@ -125,6 +125,36 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_GT(rc->tiers.pages_skipped, 0);
 }
 
+// Diagnosing a subset of layers: the samples are those layers' (step,
+// sequence)s, and the two one-layer runs average to the all-layer run.
+TEST(RunJob, RecallLayersDiagnoseOnlyThoseLayers) {
+  RunOptions all = Small();
+  auto ra = RunJob(all);
+  ASSERT_TRUE(ra.ok()) << ra.status().ToString();
+  double page = 0, mass = 0, err = 0;
+  for (int layer : {1, 2}) {
+    RunOptions one = Small();
+    one.recall_layers = {layer};
+    auto r = RunJob(one);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->diagnosed, 4);  // 2 sequences x 2 sampled steps
+    EXPECT_EQ(r->output_digest, ra->output_digest);
+    EXPECT_NE(ReportJson(*r).find("\"layers\":[" + std::to_string(layer) + "]"), std::string::npos);
+    page += r->page_recall / 2, mass += r->attention_mass_recall / 2, err += r->output_rel_error / 2;
+  }
+  EXPECT_EQ(ra->diagnosed, 8);
+  EXPECT_NEAR(page, ra->page_recall, 1e-12);
+  EXPECT_NEAR(mass, ra->attention_mass_recall, 1e-12);
+  EXPECT_NEAR(err, ra->output_rel_error, 1e-12);
+  // A dense layer has no selection to diagnose; a layer past the model is none.
+  for (int bad : {0, 3, -1}) {
+    RunOptions o = Small();
+    o.recall_layers = {1, bad};
+    auto r = RunJob(o);
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << bad;
+  }
+}
+
 TEST(RunJob, FullBudgetRecallsEverything) {
   RunOptions o = Small();
   o.config.policy.token_budget = 1 << 20;
