@@ -14,7 +14,13 @@
 #   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
-#            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk)
+#            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk);
+#            recall every $RECALL_1M (8: steps 0 and 8; 0: none) steps at layers $RECALL_LAYERS_1M
+#            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes)
+#   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
+#            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
+#            waits, but `strict` would make every layer wait for its (zero) cold count, without
+#            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true
@@ -58,6 +64,12 @@ for run in $RUNS; do
           cp "$OUT/e2e-l3-2g.json" "$OUT/e2e-sweep-131072-8th.json"
           continue
         fi
+        # 1M: the host cannot home 128 GiB, so its points are the 1M runs (disk tier).
+        if [ $ctx = 1048576 ]; then
+          [ -s "$OUT/e2e-l3-1m-all.json" ] && cp "$OUT/e2e-l3-1m-all.json" "$OUT/e2e-sweep-1048576-all.json"
+          [ -s "$OUT/e2e-l3-1m-deadline.json" ] && cp "$OUT/e2e-l3-1m-deadline.json" "$OUT/e2e-sweep-1048576-8th.json"
+          continue
+        fi
         kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16
         one sweep-$ctx-all --preset llama3-8b --context $ctx --steps 16 --recall-every 0
         # Every layer's list must hold a step's selection (2048 tokens): below
@@ -69,10 +81,13 @@ for run in $RUNS; do
         fi
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
       done ;;
-    l3-1m-strict | l3-1m-deadline)
+    l3-1m-strict | l3-1m-deadline | l3-1m-all)
       rm -rf "$DISK" && mkdir -p "$DISK"
-      one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every 0 --hbm-bytes 16G \
-        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-64G} --cold-miss ${run#l3-1m-}
+      hbm="--hbm-bytes 16G --cold-miss ${run#l3-1m-}"
+      [ $run = l3-1m-all ] && hbm="--cold-miss deadline"
+      one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every ${RECALL_1M:-8} \
+        --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
+        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-64G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
   esac

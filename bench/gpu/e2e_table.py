@@ -5,8 +5,8 @@ Columns: step p50 (all layers), its breakdown (means over the directly
 launched, phase-timed steps 1, 5, 9, ...), hit rate, host-link bytes per
 step, PCIe saved against dense offload, the measured dense-offload step and
 Quest's speedup over it, and — for a tiered run whose all-in-HBM twin ran
-(<x>-2g or <x>-8g beside <x>-all, sweep-N-8th beside sweep-N-all, <x>-nog — graphs off —
-beside <x>) — the step against
+(<x>-2g, <x>-8g, <x>-strict or <x>-deadline beside <x>-all, sweep-N-8th beside
+sweep-N-all, <x>-nog — graphs off — beside <x>) — the step against
 the twin's and whether the output digests agree."""
 import json
 import os
@@ -26,7 +26,8 @@ def load(folder):
 
 
 def twin(name, runs):
-    for a, b in (("-2g", "-all"), ("-8g", "-all"), ("-8th", "-all"), ("-nog", ""), ("-hostgen", "-all")):
+    for a, b in (("-2g", "-all"), ("-8g", "-all"), ("-8th", "-all"), ("-strict", "-all"), ("-deadline", "-all"),
+                 ("-nog", ""), ("-hostgen", "-all")):
         if name.endswith(a) and name[: -len(a)] + b in runs:
             return runs[name[: -len(a)] + b]
     return None
