@@ -502,6 +502,9 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
       rec.misses = after.hbm_misses - step_before.hbm_misses - (comparison_misses - comparison_misses_before);
       rec.host_link_bytes = HostLinkBytes(LinksOf(after)) - HostLinkBytes(LinksOf(step_before));
+      rec.cold_misses = after.cold_misses - step_before.cold_misses;
+      rec.cold_stalls = after.cold_stalls - step_before.cold_stalls;
+      rec.pages_skipped = after.pages_skipped - step_before.pages_skipped;
       r.steps.push_back(rec);
       if (metrics) {
         TierStats t = after;
@@ -878,6 +881,9 @@ std::string ReportJson(const RunReport& r) {
         .Field("hits", s.hits)
         .Field("misses", s.misses)
         .Field("host_link_bytes", s.host_link_bytes)
+        .Field("cold_misses", s.cold_misses)
+        .Field("cold_stalls", s.cold_stalls)
+        .Field("pages_skipped", s.pages_skipped)
         .Field("graphs_captured", s.graphs_captured)
         .EndObject();
   j.EndArray();

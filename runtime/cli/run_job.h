@@ -109,6 +109,8 @@ struct RunReport {
     bool instrumented = false;            // in step_latency_instrumented_us, not step_latency_us
     QueryKind query = QueryKind::kRandom;  // what sequence 0's queries aim at
     int64_t hits = 0, misses = 0;         // HBM cache lookups (dense comparisons excluded)
+    int64_t cold_misses = 0;              // selected head-pages whose home was disk
+    int64_t cold_stalls = 0, pages_skipped = 0;  // ... waited for (strict) / attended without (deadline)
     int64_t host_link_bytes = 0;          // host->hbm + hbm->host (diagnostics' reads excluded)
     int64_t graphs_captured = 0;          // CUDA: layer-step graphs captured in this step (each costs ms)
   };

@@ -97,17 +97,23 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_LE(rb->tiers.host_peak_bytes, rb->tiers.host_capacity_bytes);
   // The per-step records add up to the run's totals, step by step in order.
   ASSERT_EQ(rb->steps.size(), 6u);
-  int64_t hits = 0, misses = 0, link = 0;
+  int64_t hits = 0, misses = 0, link = 0, cold = 0, stalls = 0, skipped = 0;
   for (std::size_t s = 0; s < rb->steps.size(); ++s) {
     const RunReport::StepRecord& rec = rb->steps[s];
     EXPECT_GT(rec.us, 0);
     EXPECT_EQ(rec.query, Workload::Create(b.config.geometry, {b.workload, b.seed, 2000, 6})->Target(int64_t(s)).kind);
     hits += rec.hits, misses += rec.misses, link += rec.host_link_bytes;
+    cold += rec.cold_misses, stalls += rec.cold_stalls, skipped += rec.pages_skipped;
   }
   EXPECT_EQ(hits, rb->tiers.hbm_hits);
   EXPECT_EQ(misses, rb->tiers.hbm_misses);
   EXPECT_EQ(link, rb->bytes_moved.host_to_hbm + rb->bytes_moved.hbm_to_host);
   EXPECT_GT(misses, 0);
+  // Strict: every cold miss a stall, in the step it happened.
+  EXPECT_EQ(cold, rb->tiers.cold_misses);
+  EXPECT_EQ(stalls, rb->tiers.cold_stalls);
+  EXPECT_EQ(stalls, cold);
+  EXPECT_EQ(skipped, 0);
   // The CPU backend's phases are timed on every step without changing how it runs.
   for (const RunReport::StepRecord& rec : rb->steps) {
     EXPECT_FALSE(rec.instrumented);
@@ -123,6 +129,14 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   ASSERT_TRUE(rc.ok()) << rc.status().ToString();
   EXPECT_EQ(rc->tiers.cold_stalls, 0);
   EXPECT_GT(rc->tiers.pages_skipped, 0);
+  int64_t skipped_steps = 0;
+  for (const RunReport::StepRecord& rec : rc->steps) {
+    EXPECT_EQ(rec.cold_stalls, 0);
+    EXPECT_EQ(rec.pages_skipped, rec.cold_misses);  // deadline skips every cold miss
+    skipped_steps += rec.pages_skipped;
+  }
+  EXPECT_EQ(skipped_steps, rc->tiers.pages_skipped);
+  EXPECT_NE(ReportJson(*rc).find("\"pages_skipped\":"), std::string::npos);
 }
 
 // Diagnosing a subset of layers: the samples are those layers' (step,
