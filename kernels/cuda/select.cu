@@ -7,6 +7,9 @@
 //     double-buffered shared tile with cp.async (coalesced 16-byte pieces);
 //     smaller selects with G >= 4 (ScoreKernelDirect): each thread reads its
 //     own summary, the arithmetic per byte hiding the scattered loads.
+//     ScoreKernelLanes replaces both for G = 4, D = 128 (Llama-3-8B): eight
+//     lanes per head-page, one partial sum each, the query in registers, fed
+//     from a per-warp cp.async ring.
 //     The G query heads of a group share each summary read; kMax/kMean
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
@@ -386,6 +389,146 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
     }
     if (st) FoldKeyRange(st, it.valid && !Skipped(PolicyFor(s, it.n), it.i), it.b * s.kv_heads + it.h, Key(agg));
   }
+}
+
+// ScoreKernelLanes (G = 4, D = 128: Llama-3-8B; any G * D / 8 <= 64 would do): a
+// warp scores `unit` consecutive pages of one (sequence, KV head) row, four
+// head-pages at a time, eight lanes each. Lane l of a head-page's eight owns
+// ScorePagesCpu's partial sum l (dimensions j ≡ l mod 8, in order), so its
+// G * D / 8 query values stay in registers for the whole unit; the eight
+// partial sums are then added in order through shuffles. The summaries come
+// through a per-warp ring of kLaneStages shared-memory stages (each the next
+// four head-pages, coalesced 16-byte cp.async pieces, rows padded by 16
+// bytes: conflict-free 2-byte reads), so a warp's next copies are in flight
+// while it scores. Measured on the H200 against the direct and staged
+// kernels, same scores bit for bit (bench/results/2026-12-02-gpu-session-11.md):
+// Llama-3-8B b16 128K 241 -> 201 us, b16 1M 1830 -> 1494 us, b1 1M 137 -> 104 us.
+constexpr int kLaneStages = 2;  // 3 and 4 stages measured no faster
+constexpr int kLaneWarps = 8;
+template <typename SumT, int D>
+constexpr int kLaneRow = 2 * D * int(sizeof(SumT)) + 16;  // bytes of a head-page's row in a stage
+template <typename SumT, int D>
+constexpr int kLaneSmem = kLaneWarps * kLaneStages * 4 * kLaneRow<SumT, D>;
+
+// Units of `unit` pages: sequence b owns Hkv * (f(b + 1) - f(b)) of them from
+// Hkv * f(b), f(b) = floor((page_indptr[b] + b * (unit - 1)) / unit): at
+// least ceil(n_b / unit) per KV head (f(b + 1) - f(b) >= floor((n_b + unit -
+// 1) / unit)), found from page_indptr alone; a unit past its row's end idles.
+__host__ __device__ inline long long LaneUnitsBefore(long long pages_before, int b, int unit) {
+  return (pages_before + (long long)b * (unit - 1)) / unit;
+}
+
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams p, float* scores, RowState* st,
+                                                                    int unit) {
+  ChainWait();
+  ChainRelease();
+  static_assert(G * D / 8 <= 64, "query values per lane must fit in registers");
+  constexpr int kRow = kLaneRow<SumT, D>;
+  constexpr int kStage = 4 * kRow;
+  constexpr int kPieces = 2 * D * int(sizeof(SumT)) / 16;  // 16-byte pieces of one head-page's summary
+  static_assert(4 * kPieces % 32 == 0, "a stage's pieces spread evenly over the lanes");
+  extern __shared__ __align__(16) unsigned char lane_ring[];
+  const SelectShape& s = p.shape;
+  const int H = s.kv_heads;
+  const int lane = int(threadIdx.x & 31), grp = lane >> 3, l = lane & 7, warp = int(threadIdx.x >> 5);
+  unsigned char* ring = lane_ring + warp * kLaneStages * kStage;
+  const long long units = (long long)H * LaneUnitsBefore(p.page_indptr[s.batch], s.batch, unit);
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
+  for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
+    int b = 0, hi_b = s.batch;  // the sequence owning unit k (warp-uniform)
+    while (hi_b - b > 1) {
+      const int mid = (b + hi_b) / 2;
+      if ((long long)H * LaneUnitsBefore(p.page_indptr[mid], mid, unit) <= k) b = mid; else hi_b = mid;
+    }
+    const int first = p.page_indptr[b], n = p.page_indptr[b + 1] - first;
+    const long long u0 = LaneUnitsBefore(first, b, unit);
+    const int per_head = int(LaneUnitsBefore(p.page_indptr[b + 1], b + 1, unit) - u0);
+    const int local = int(k - (long long)H * u0);
+    const int h = local / per_head;
+    const int i_begin = (local % per_head) * unit;
+    const RowPolicy pol = PolicyFor(s, n);
+    if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
+    const int i_end = min(n, i_begin + unit);
+    const int steps = (i_end - i_begin + 3) / 4;
+    // Step t's copies into its stage: 4 head-pages x kPieces pieces over the
+    // warp (zero-filled past the unit's end). One commit group per step.
+    auto issue = [&](int t) {
+      unsigned char* dst = ring + (t % kLaneStages) * kStage;
+#pragma unroll
+      for (int m = 0; m < 4 * kPieces / 32; ++m) {
+        const int piece = m * 32 + lane, j = piece / kPieces, c = piece % kPieces;
+        const int i = i_begin + t * 4 + j;
+        const bool ok = t < steps && i < i_end;
+        const long long off = ok ? ((long long)p.page_ids[first + i] * H + h) * (2 * D * sizeof(SumT)) + c * 16 : 0;
+        CopyAsync16(dst + j * kRow + c * 16, slab + off, ok);
+      }
+      CommitCopies();
+    };
+#pragma unroll
+    for (int t = 0; t < kLaneStages - 1; ++t) issue(t);
+    uint32_t kmax = 0, kmin_inv = 0;  // the unit's key range (st): one atomic pair per unit
+    float qr[G][D / 8];
+    const QT* q = q_all + ((std::size_t)b * H * G + (std::size_t)h * G) * D;
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) qr[g][c] = ToFloat<QT>(q[g * D + c * 8 + l]);
+#pragma unroll 1
+    for (int t = 0; t < steps; ++t) {
+      issue(t + kLaneStages - 1);
+      WaitCopies<kLaneStages - 1>();
+      __syncwarp();
+      const SumT* lo = reinterpret_cast<const SumT*>(ring + (t % kLaneStages) * kStage + grp * kRow);
+      float acc[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const float mn = ToFloat<SumT>(lo[c * 8 + l]), mx = ToFloat<SumT>(lo[D + c * 8 + l]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float a = __fmul_rn(qr[g][c], mn), e = __fmul_rn(qr[g][c], mx);
+          acc[g] = __fadd_rn(acc[g], a > e ? a : e);
+        }
+      }
+      __syncwarp();  // the stage is read before a later issue refills it
+      float score[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {  // SumLanes8 over the group's eight lanes
+        float sum = 0.f;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, acc[g], (grp << 3) + m));
+        score[g] = sum;
+      }
+      const int i = i_begin + t * 4 + grp;
+      const bool mine = l == 0 && i < i_end;
+      if (mine) {
+        const float agg = StoreScores<G>(s, scores, (long long)first * H + (long long)h * n + i, first, n, h, i, score);
+        if (!Skipped(pol, i)) kmax = max(kmax, Key(agg)), kmin_inv = max(kmin_inv, ~Key(agg));
+      }
+    }
+    WaitCopies<0>();  // the empty tail groups too, before the next unit reuses the ring
+    __syncwarp();
+    if (st) {  // per step (FoldKeyRange) the same-address atomics cost ~2x the scan at 1M (H200)
+      kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
+      kmin_inv = __reduce_max_sync(0xFFFFFFFFu, kmin_inv);
+      if (lane == 0 && (kmax | kmin_inv)) {
+        atomicMax(&st[b * H + h].kmax, kmax);
+        atomicMax(&st[b * H + h].kmin_inv, kmin_inv);
+      }
+    }
+  }
+}
+
+// The unit for ScoreKernelLanes: the largest of 128/64/32/16 pages that still
+// gives every SM 8 warps' worth of units (H200, Llama-3-8B: 128 at b16 128K
+// and b1 1M; 32 at b1 128K, 20.3 us against 33.8 with 128).
+inline int LaneUnit(long long head_pages, int sms) {
+  int unit = 128;
+  while (unit > 16 && head_pages / unit < 8LL * sms) unit /= 2;
+  return unit;
 }
 
 using BlockScan = cub::BlockScan<int, kTopKThreads>;
@@ -1154,21 +1297,67 @@ __global__ void ClearMarks(uint8_t* marks, const int32_t* page_indptr, int batch
 
 std::size_t AlignUp(std::size_t x) { return (x + 255) & ~std::size_t(255); }
 
-// Once per device and kernel: the largest key cache. The default limit
-// (48 KiB) counts the kernel's static shared memory (~19 KiB) too.
-template <auto kKernel>
-cudaError_t AllowKeyCache() {
+// Once per device and kernel: allows kBytes of dynamic shared memory (the
+// default limit, 48 KiB, counts the kernel's static shared memory too).
+template <auto kKernel, int kBytes>
+cudaError_t AllowDynamicSmem() {
   constexpr int kMaxDevices = 64;
-  constexpr int kMaxSmem = (kMaxKeyCache + kMaxKeyCache / 32 + 1) * sizeof(uint32_t);
   static std::once_flag once[kMaxDevices];
   static cudaError_t error[kMaxDevices] = {};
   int dev = 0;
   if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (dev >= kMaxDevices) return cudaErrorInvalidDevice;
   std::call_once(once[dev], [dev] {
-    error[dev] = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+    error[dev] = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   });
   return error[dev];
+}
+// The top-K kernels' largest key cache (beside their ~19 KiB of static shared memory).
+template <auto kKernel>
+cudaError_t AllowKeyCache() {
+  return AllowDynamicSmem<kKernel, int((kMaxKeyCache + kMaxKeyCache / 32 + 1) * sizeof(uint32_t))>();
+}
+
+// The score kernel for one (q dtype, summary dtype, D, G), and its grid.
+template <typename QT, typename SumT, int D, int G>
+cudaError_t LaunchScore(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
+                        cudaStream_t stream) {
+  const SelectShape& s = p.shape;
+  const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
+  // G = 4, D = 128: the lanes kernel (other G >= 4 shapes either hold too many
+  // query values per lane or spill a few registers; not measured). Otherwise,
+  // below kStagedMinHeadPages, the direct kernel (H200, Llama-3-8B before the
+  // lanes kernel: 41.5 vs 50.0 us at b1 128K; the staged one 129 vs
+  // 140 us at b1 512K, 1987 vs 2358 us at b16 1M).
+  if constexpr (G == 4 && D == 128) {
+    constexpr auto kernel = ScoreKernelLanes<QT, SumT, D, G>;
+    constexpr int smem = kLaneSmem<SumT, D>;
+    if (const cudaError_t e = AllowDynamicSmem<kernel, smem>(); e != cudaSuccess) return e;
+    const int sms = std::max(1, plan.score_blocks / kScoreBlocksPerSm);
+    const int unit = LaneUnit((long long)head_pages, sms);
+    const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
+    const int blocks = int(std::clamp<long long>((units + kLaneWarps - 1) / kLaneWarps, 1, 2LL * sms));
+    if (const cudaError_t e = LaunchChained(kernel, dim3(blocks), dim3(kLaneWarps * 32), smem, stream, p,
+                                            scores, st, unit);
+        e != cudaSuccess)
+      return e;
+  } else if (G <= 2 || head_pages >= kStagedMinHeadPages) {
+    const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
+    const long long groups = (std::max(slots, 1LL) + 31) / 32;
+    const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
+    if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
+                                            stream, p, scores, st);
+        e != cudaSuccess)
+      return e;
+  } else {
+    const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
+    const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
+    if (const cudaError_t e =
+            LaunchChained(ScoreKernelDirect<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream, p, scores, st);
+        e != cudaSuccess)
+      return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -1275,25 +1464,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
-            // G >= 4 at fewer than kStagedMinHeadPages: the direct kernel
-            // (H200, Llama-3-8B: 41.5 vs 50.0 us at b1 128K; the staged one
-            // 129 vs 140 us at b1 512K, 1987 vs 2358 us at b16 1M).
-            if (G <= 2 || head_pages >= kStagedMinHeadPages) {
-              const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
-              const long long groups = (std::max(slots, 1LL) + 31) / 32;
-              const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
-              if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
-                                                      stream, p, scores, st);
-                  e != cudaSuccess)
-                return e;
-            } else {
-              const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
-              const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
-              if (const cudaError_t e =
-                      LaunchChained(ScoreKernelDirect<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream, p, scores, st);
-                  e != cudaSuccess)
-                return e;
-            }
+            if (const cudaError_t e = LaunchScore<QT, SumT, D, G>(plan, p, scores, st, stream); e != cudaSuccess) return e;
           })
         })
       })

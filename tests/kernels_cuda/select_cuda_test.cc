@@ -224,7 +224,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // Rows in the key cache past 8192 keys (RangeKth), with ties; G = 4 at
                       // 256K+ head-pages (the staged score kernel).
                       SelectCase{1, 2, 4, 64, 16, 700, GqaAgg::kMean, F32, F32, true, false, 20000},
-                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 32768}));
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 32768},
+                      // The lanes score kernel (G = 4, D = 128) with mixed dtypes over a ragged
+                      // batch (units cross rows and end mid-row), and with kUnion's per-head
+                      // scores and many equal ones.
+                      SelectCase{9, 2, 4, 128, 16, 24, GqaAgg::kMean, F16, BF16, false, false, 5000},
+                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F16, F16, true, false, 3000}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
