@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
   }
 }
 
-// ScoreKernelLanes (G = 4, D = 128: Llama-3-8B; any G * D / 8 <= 64 would do): a
+// ScoreKernelLanes (G = 4, D = 128: Llama-3-8B; its D = 64 instances spilled): a
 // warp scores `unit` consecutive pages of one (sequence, KV head) row, four
 // head-pages at a time, eight lanes each. Lane l of a head-page's eight owns
 // ScorePagesCpu's partial sum l (dimensions j ≡ l mod 8, in order), so its
