@@ -106,15 +106,32 @@ __device__ __forceinline__ void Load8(const T* row, int c, float* out) {
   for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
 }
 
-// One chunk of eq. 2–3 for one query head: acc[l] += max(q_l·min_l, q_l·max_l),
-// rounded exactly as ScorePagesCpu does (its 8 partial sums).
+// One term of eq. 2–3 for one query head, rounded exactly as ScorePagesCpu
+// does: acc + max(q·lo, q·hi). With 16-bit q and summaries (kExact) every
+// product q·m is exact in float (at most 22 significant bits) unless it
+// leaves float's normal range (bf16 values beyond about 1e±19), so one fma
+// rounds acc + q·m as __fadd_rn(acc, q·m) does, and rounding is monotone:
+// max(round(acc + a), round(acc + e)) = round(acc + max(a, e)), NaN cases
+// included, in one instruction fewer. The two forms can differ only once acc
+// is infinite and a later product is too: summaries holding infinities.
+template <bool kExact>
+__device__ __forceinline__ float ScoreTerm(float acc, float q, float lo, float hi) {
+  if constexpr (kExact) {
+    const float a = __fmaf_rn(q, lo, acc), e = __fmaf_rn(q, hi, acc);
+    return a > e ? a : e;
+  } else {
+    const float a = __fmul_rn(q, lo), e = __fmul_rn(q, hi);
+    return __fadd_rn(acc, a > e ? a : e);
+  }
+}
+template <typename QT, typename SumT>
+constexpr bool kExactProducts = sizeof(QT) == 2 && sizeof(SumT) == 2;
+
+// One chunk of 8 dimensions for one query head: ScorePagesCpu's 8 partial sums.
+template <bool kExact>
 __device__ __forceinline__ void FoldChunk8(float* acc, const float* qv, const float* mn, const float* mx) {
 #pragma unroll
-  for (int l = 0; l < 8; ++l) {
-    const float a = __fmul_rn(qv[l], mn[l]);
-    const float e = __fmul_rn(qv[l], mx[l]);
-    acc[l] = __fadd_rn(acc[l], a > e ? a : e);
-  }
+  for (int l = 0; l < 8; ++l) acc[l] = ScoreTerm<kExact>(acc[l], qv[l], mn[l], mx[l]);
 }
 
 // The 8 partial sums added in ScorePagesCpu's order.
@@ -182,7 +199,7 @@ __device__ __forceinline__ void ScoreHeadPage(const SumT* lo, const QT* q, float
     for (int g = 0; g < G; ++g) {
       float qv[8];
       Load8(q + g * D, c, qv);
-      FoldChunk8(acc[g], qv, mn, mx);
+      FoldChunk8<kExactProducts<QT, SumT>>(acc[g], qv, mn, mx);
     }
   }
 #pragma unroll
@@ -348,7 +365,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
           for (int g = 0; g < G; ++g) {
             float qv[8];
             Load8(q + g * D, ph * (T::kPhaseDims / 8) + c, qv);
-            FoldChunk8(acc[g], qv, mn, mx);
+            FoldChunk8<kExactProducts<QT, SumT>>(acc[g], qv, mn, mx);
           }
         }
       }
@@ -488,19 +505,16 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
       for (int c = 0; c < D / 8; ++c) {
         const float mn = ToFloat<SumT>(lo[c * 8 + l]), mx = ToFloat<SumT>(lo[D + c * 8 + l]);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float a = __fmul_rn(qr[g][c], mn), e = __fmul_rn(qr[g][c], mx);
-          acc[g] = __fadd_rn(acc[g], a > e ? a : e);
-        }
+        for (int g = 0; g < G; ++g) acc[g] = ScoreTerm<kExactProducts<QT, SumT>>(acc[g], qr[g][c], mn, mx);
       }
       __syncwarp();  // the stage is read before a later issue refills it
       float score[G];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {  // SumLanes8 over the group's eight lanes
-        float sum = 0.f;
+      for (int g = 0; g < G; ++g) {  // the group's eight lanes' partial sums, in ScorePagesCpu's order
+        float part[8];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, acc[g], (grp << 3) + m));
-        score[g] = sum;
+        for (int m = 0; m < 8; ++m) part[m] = __shfl_sync(0xFFFFFFFFu, acc[g], (grp << 3) + m);
+        score[g] = SumLanes8(part);
       }
       const int i = i_begin + t * 4 + grp;
       const bool mine = l == 0 && i < i_end;

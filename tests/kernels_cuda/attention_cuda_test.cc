@@ -243,7 +243,9 @@ INSTANTIATE_TEST_SUITE_P(
                       AttendCase{F16, 7, 1, 8, 128, 8}, AttendCase{F16, 23, 2, 4, 256, 16},
                       AttendCase{BF16, 1, 2, 8, 64, 32}, AttendCase{BF16, 3, 1, 4, 256, 8},
                       AttendCase{BF16, 7, 2, 1, 128, 64}, AttendCase{BF16, 23, 1, 2, 128, 16},
-                      AttendCase{F16, 3, 2, 4, 128, 32}, AttendCase{F32, 3, 2, 1, 256, 64}));
+                      AttendCase{F16, 3, 2, 4, 128, 32}, AttendCase{F32, 3, 2, 1, 256, 64},
+                      // Llama-3-8B's shape in bf16 over a ragged batch of 23; G 8, D 64, S 64.
+                      AttendCase{BF16, 23, 2, 4, 128, 16}, AttendCase{F16, 7, 1, 8, 64, 64}));
 
 TEST(AttendPlanTest, RejectsUnsupportedSizesWithAMessage) {
   AttendShape s;
