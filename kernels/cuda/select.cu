@@ -424,8 +424,10 @@ constexpr int kLaneStages = 2;  // 3 and 4 stages measured no faster
 constexpr int kLaneWarps = 8;
 template <typename SumT, int D>
 constexpr int kLaneRow = 2 * D * int(sizeof(SumT)) + 16;  // bytes of a head-page's row in a stage
+constexpr int kLaneUnitMax = 128;  // pages; LaneUnit's largest
+// The rings, then each warp's table of its unit's summary offsets.
 template <typename SumT, int D>
-constexpr int kLaneSmem = kLaneWarps * kLaneStages * 4 * kLaneRow<SumT, D>;
+constexpr int kLaneSmem = kLaneWarps * (kLaneStages * 4 * kLaneRow<SumT, D> + kLaneUnitMax * 8);
 
 // Units of `unit` pages: sequence b owns Hkv * (f(b + 1) - f(b)) of them from
 // Hkv * f(b), f(b) = floor((page_indptr[b] + b * (unit - 1)) / unit): at
@@ -450,6 +452,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
   const int H = s.kv_heads;
   const int lane = int(threadIdx.x & 31), grp = lane >> 3, l = lane & 7, warp = int(threadIdx.x >> 5);
   unsigned char* ring = lane_ring + warp * kLaneStages * kStage;
+  long long* offs = reinterpret_cast<long long*>(lane_ring + kLaneWarps * kLaneStages * kStage) + warp * kLaneUnitMax;
   const long long units = (long long)H * LaneUnitsBefore(p.page_indptr[s.batch], s.batch, unit);
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
@@ -469,6 +472,12 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
     if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
     const int i_end = min(n, i_begin + unit);
     const int steps = (i_end - i_begin + 3) / 4;
+    // The unit's summary offsets, once (per step, the page-id loads and
+    // 64-bit offset arithmetic were ~60 of the loop's ~550 instructions).
+    // The previous unit's reads are done: its loop ended in a warp barrier.
+    for (int j = lane; j < i_end - i_begin; j += 32)
+      offs[j] = ((long long)p.page_ids[first + i_begin + j] * H + h) * (2 * D * (long long)sizeof(SumT));
+    __syncwarp();
     // Step t's copies into its stage: 4 head-pages x kPieces pieces over the
     // warp (zero-filled past the unit's end). One commit group per step.
     auto issue = [&](int t) {
@@ -476,10 +485,9 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
 #pragma unroll
       for (int m = 0; m < 4 * kPieces / 32; ++m) {
         const int piece = m * 32 + lane, j = piece / kPieces, c = piece % kPieces;
-        const int i = i_begin + t * 4 + j;
-        const bool ok = t < steps && i < i_end;
-        const long long off = ok ? ((long long)p.page_ids[first + i] * H + h) * (2 * D * sizeof(SumT)) + c * 16 : 0;
-        CopyAsync16(dst + j * kRow + c * 16, slab + off, ok);
+        const int at = t * 4 + j;
+        const bool ok = t < steps && i_begin + at < i_end;
+        CopyAsync16(dst + j * kRow + c * 16, slab + (ok ? offs[at] : 0) + c * 16, ok);
       }
       CommitCopies();
     };
@@ -540,7 +548,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
 // gives every SM 8 warps' worth of units (H200, Llama-3-8B: 128 at b16 128K
 // and b1 1M; 32 at b1 128K, 20.3 us against 33.8 with 128).
 inline int LaneUnit(long long head_pages, int sms) {
-  int unit = 128;
+  int unit = kLaneUnitMax;
   while (unit > 16 && head_pages / unit < 8LL * sms) unit /= 2;
   return unit;
 }
