@@ -62,8 +62,9 @@ __global__ void SummaryKernel(PoolShape s, const __half* slots, const int32_t* l
 }
 
 // One warp per candidate. Lane l + 8 * u keeps ScorePagesCpu's partial sum
-// l (dimensions j ≡ l mod 8, in order) of query heads u, u + 4, ...; lane u*8
-// adds its 8 sums in order, and the heads are aggregated in order: the CPU's
+// l (dimensions j ≡ l mod 8, in order) of query heads u, u + 4, ...; each
+// group of 8 lanes adds its sums pairwise by butterfly shuffles (the CPU's
+// order), and the heads are aggregated in order: the CPU's
 // float arithmetic and order (PageBound, then AggregateGroupScores), so the
 // scores equal LaunchSelect's bit for bit. head_dim is a multiple of 8.
 constexpr int kHeadsPerPass = 4;  // 32 lanes / 8 partial sums
@@ -91,9 +92,12 @@ __global__ void CandidateKernel(CandidateParams p) {
             const float e = __fmul_rn(qd, __half2float(hi[d]));
             acc = __fadd_rn(acc, a > e ? a : e);
           }
+        // Head g0 + u's bound: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) of its partial sums.
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 1));
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 2));
+        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 4));
         for (int t = 0; t < kHeadsPerPass && g0 + t < p.group; ++t) {
-          float sum = 0.f;  // head g0 + t's bound: its 8 partial sums in order
-          for (int m = 0; m < 8; ++m) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, acc, t * 8 + m));
+          const float sum = __shfl_sync(0xFFFFFFFFu, acc, t * 8);
           if (g0 + t == 0) agg = sum;
           else agg = p.mean ? __fadd_rn(agg, sum) : (agg < sum ? sum : agg);
         }

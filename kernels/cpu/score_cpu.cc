@@ -8,6 +8,9 @@ namespace {
 
 // Independent partial sums let the compiler keep a SIMD register of
 // accumulators without -ffast-math (float addition is not reassociated).
+// They are added pairwise, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): the
+// order eight GPU lanes holding one partial sum each reach with three
+// butterfly shuffles, every lane the same bits (addition commutes exactly).
 constexpr int kLanes = 8;
 
 float PageBound(const float* q, const float* lo, const float* hi, int head_dim) {
@@ -19,8 +22,7 @@ float PageBound(const float* q, const float* lo, const float* hi, int head_dim) 
       const float b = q[j + l] * hi[j + l];
       acc[l] += a > b ? a : b;
     }
-  float sum = 0.f;
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; j < head_dim; ++j) {
     const float a = q[j] * lo[j];
     const float b = q[j] * hi[j];

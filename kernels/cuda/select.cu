@@ -1,7 +1,7 @@
 // Select on the device:
 //  1. ScoreKernel: U_p(q) for every (page, KV head) of every scored sequence,
 //     one thread per head-page keeping 8 partial sums (dimensions j ≡ l mod 8)
-//     added in order at the end: the CPU twin's (score_cpu.cc) float
+//     added pairwise at the end: the CPU twin's (score_cpu.cc) float
 //     arithmetic and summation order, so scores match it bit for bit. G <= 2,
 //     or 256K+ head-pages: each warp copies its 32 head-pages' summaries into its own
 //     double-buffered shared tile with cp.async (coalesced 16-byte pieces);
@@ -134,12 +134,18 @@ __device__ __forceinline__ void FoldChunk8(float* acc, const float* qv, const fl
   for (int l = 0; l < 8; ++l) acc[l] = ScoreTerm<kExact>(acc[l], qv[l], mn[l], mx[l]);
 }
 
-// The 8 partial sums added in ScorePagesCpu's order.
+// The 8 partial sums added in ScorePagesCpu's order (pairwise).
 __device__ __forceinline__ float SumLanes8(const float* acc) {
-  float sum = 0.f;
-#pragma unroll
-  for (int l = 0; l < 8; ++l) sum = __fadd_rn(sum, acc[l]);
-  return sum;
+  return __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3])),
+                   __fadd_rn(__fadd_rn(acc[4], acc[5]), __fadd_rn(acc[6], acc[7])));
+}
+
+// The same sum when lane l of each aligned group of 8 holds partial sum l:
+// three butterfly shuffles, every lane of the group ending with the same bits.
+__device__ __forceinline__ float SumGroup8(float v) {
+  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+  return __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
 }
 
 // Folds each lane's scored key into its row's key range: per distinct row of
@@ -413,7 +419,7 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
 // head-pages at a time, eight lanes each. Lane l of a head-page's eight owns
 // ScorePagesCpu's partial sum l (dimensions j ≡ l mod 8, in order), so its
 // G * D / 8 query values stay in registers for the whole unit; the eight
-// partial sums are then added in order through shuffles. The summaries come
+// partial sums are then added by three butterfly shuffles (SumGroup8). The summaries come
 // through a per-warp ring of kLaneStages shared-memory stages (each the next
 // four head-pages, coalesced 16-byte cp.async pieces, rows padded by 16
 // bytes: conflict-free 2-byte reads), so a warp's next copies are in flight
@@ -518,12 +524,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
       __syncwarp();  // the stage is read before a later issue refills it
       float score[G];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {  // the group's eight lanes' partial sums, in ScorePagesCpu's order
-        float part[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) part[m] = __shfl_sync(0xFFFFFFFFu, acc[g], (grp << 3) + m);
-        score[g] = SumLanes8(part);
-      }
+      for (int g = 0; g < G; ++g) score[g] = SumGroup8(acc[g]);  // the group's eight partial sums
       const int i = i_begin + t * 4 + grp;
       const bool mine = l == 0 && i < i_end;
       if (mine) {
