@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -116,6 +117,71 @@ std::vector<float> SlabOf(const std::vector<std::vector<float>>& pages, int s) {
 
 // Seed §1.1: the page (1,4), (3,-2), (-1,1) with q = (2,-1) scores 6 + 2 = 8,
 // and so does (3,4), (-1,-2) (same box) though its true max is only 2.
+// A float with `bits` significant bits: the value of an f16 (11) or bf16 (8).
+float RoundToBits(float x, int bits) {
+  int e = 0;
+  const float m = std::frexp(x, &e);
+  return std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+}
+
+// The premise of the GPU score kernels' fma form (select.cu, ScoreTerm): with
+// 16-bit q and summaries every product is exact in float, so one fma rounds
+// acc + q·m as a multiply then an add does, and the larger of the two fma
+// sums is acc + max(q·lo, q·hi): ScorePagesCpu's term, bit for bit.
+TEST(ScorePages, FmaTermEqualsMultiplyAddForSixteenBitInputs) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> scale(-12, 12);
+  int checked = 0;
+  for (int q_bits : {11, 8})
+    for (int m_bits : {11, 8})
+      for (int i = 0; i < 200000; ++i) {
+        const float q = RoundToBits(std::ldexp(normal(rng), scale(rng)), q_bits);
+        float lo = RoundToBits(std::ldexp(normal(rng), scale(rng)), m_bits);
+        float hi = RoundToBits(lo + std::abs(std::ldexp(normal(rng), scale(rng))), m_bits);
+        if (hi < lo) std::swap(lo, hi);
+        const float acc = std::ldexp(normal(rng), scale(rng) + 4);  // any float: a running sum
+        const float a = q * lo, b = q * hi;
+        const float want = acc + (a > b ? a : b);
+        const float x = std::fma(q, lo, acc), y = std::fma(q, hi, acc);
+        ASSERT_EQ(x, acc + a) << "q " << q << " lo " << lo << " acc " << acc;
+        ASSERT_EQ(y, acc + b) << "q " << q << " hi " << hi << " acc " << acc;
+        const float got = x > y ? x : y;
+        ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "q " << q << " lo " << lo << " hi " << hi << " acc " << acc;
+        ++checked;
+      }
+  EXPECT_EQ(checked, 800000);
+}
+
+// The order the GPU paths reproduce: partial sum l holds dimensions j ≡ l
+// (mod 8) in order, and the 8 partial sums are added pairwise.
+TEST(ScorePages, AddsPartialSumsPairwise) {
+  constexpr int kD = 32, kPages = 64;
+  auto slab = test::RandomNormal(std::size_t(kPages) * 2 * kD, 11, 0.f, 3.f);
+  for (int p = 0; p < kPages; ++p)
+    for (int j = 0; j < kD; ++j) {
+      float& lo = slab[std::size_t(p) * 2 * kD + j];
+      float& hi = slab[std::size_t(p) * 2 * kD + kD + j];
+      if (hi < lo) std::swap(lo, hi);
+    }
+  const auto q = test::RandomNormal(kD, 12, 0.f, 3.f);
+  std::vector<uint32_t> ids(kPages);
+  std::iota(ids.begin(), ids.end(), 0u);
+  std::vector<float> got(kPages);
+  ScorePagesCpu(q.data(), 1, kD, slab.data(), 1, 0, ids.data(), kPages, got.data());
+  for (int p = 0; p < kPages; ++p) {
+    const float* lo = slab.data() + std::size_t(p) * 2 * kD;
+    const float* hi = lo + kD;
+    float acc[8] = {};
+    for (int j = 0; j < kD; ++j) {
+      const float a = q[j] * lo[j], b = q[j] * hi[j];
+      acc[j % 8] += a > b ? a : b;
+    }
+    const float want = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    EXPECT_EQ(std::memcmp(&got[p], &want, 4), 0) << "page " << p << ": " << got[p] << " vs " << want;
+  }
+}
+
 TEST(ScorePages, SeedHandExample) {
   const std::vector<float> q = {2, -1};
   const auto slab = SlabOf({{1, 4, 3, -2, -1, 1}, {3, 4, -1, -2}}, 3);
