@@ -36,8 +36,11 @@ bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* pl
   // into two at least (Llama-2-7B at batch 16, 512 rows: one split left the
   // attention alone as fast, yet the chained select + attend step took 312 us
   // against 239 with two; not understood yet), and a split keeps at least
-  // kMinPagesPerSplit pages so the merge (in the row's last block) stays short.
-  constexpr int kMinPagesPerSplit = 8;
+  // kMinPagesPerSplit pages so the merge (in the row's last block) stays short
+  // (Llama-3-8B at batch 1, budget 2048, 8 rows: 32 splits of 4-5 pages took
+  // 14.0 us, 16 splits 15.1, 64 splits 15.3; with 8 pages a split, the former
+  // floor, budgets up to 1024 got 4-8 splits and ran 10-25% slower).
+  constexpr int kMinPagesPerSplit = 4;
   const long long target = 4LL * std::max(1, num_sms);
   int splits = s.rows >= target ? 1 : int(std::max<long long>(2, target / s.rows));
   splits = std::max(1, std::min({splits, std::max(1, max_pages), kMaxSplits}));

@@ -61,60 +61,92 @@ inline PartialView Partials(void* ws, int rows, int splits, int group, int head_
 }
 
 // The last block of a row merges its splits' partials (the arithmetic of
-// kernels/attention_state.h MergeState): the split weights d_s * exp(m_s - M)
-// go to shared memory `w` (G * splits floats) first, then one thread per
-// (g, 4 columns) sums the partial o's; __ldcg reads the other blocks'
-// partials from L2.
+// kernels/attention_state.h MergeState), with as few dependent L2 round trips
+// as it can: each split's m and d are read once into shared memory `w`
+// (2 * G * splits floats); one warp per query head finds the max and the
+// split weights d_s * exp(m_s - M) and their sum (each lane a strided share
+// of the splits, then a butterfly: a fixed order); then the partial o's are
+// summed by P threads per 4 columns (P = the block's threads over the row's
+// G * D / 4 column groups, at least 1), 16 loads in flight each, and the P
+// sums added in order. __ldcg reads the other blocks' partials from L2. (A
+// few threads walking the splits in turn, and d read twice, cost ~1 us of a
+// 15 us batch-1 attention on the H200.)
 template <typename T, int D, int G>
 __device__ void MergeRow(const PartialView& part, int row, int splits, float* w, T* out, float* lse) {
-  __shared__ float sh_max[G], sh_sum[G];
+  constexpr int kThreads = kAttendWarps * 32;
+  constexpr int kCols = G * D / 4;
+  constexpr int kParts = kThreads / kCols >= 1 ? kThreads / kCols : 1;
+  __shared__ float sh_inv[G];
+  __shared__ float4 sh_part[kParts > 1 ? kThreads : 1];
   const std::size_t at0 = std::size_t(row) * splits * G;  // [splits][G] of this row
-  for (int i = threadIdx.x; i < G * splits; i += blockDim.x) {
+  float* wm = w;                   // [G][splits]: m (-inf: empty), then the weights
+  float* wd = w + G * splits;      // [G][splits]: d
+  for (int i = threadIdx.x; i < G * splits; i += kThreads) {
     const int s = i / G, g = i % G;
     const float d = __ldcg(part.d + at0 + i);
-    w[g * splits + s] = d == 0.f ? -INFINITY : __ldcg(part.m + at0 + i);  // m, or -inf: empty
+    const float m = __ldcg(part.m + at0 + i);
+    wm[g * splits + s] = d == 0.f ? -INFINITY : m;
+    wd[g * splits + s] = d;
   }
   __syncthreads();
-  if (threadIdx.x < G) {
-    const int g = threadIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int g = warp; g < G; g += kAttendWarps) {
     float mm = -INFINITY;
-    for (int s = 0; s < splits; ++s) mm = fmaxf(mm, w[g * splits + s]);
-    sh_max[g] = mm;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * splits; i += blockDim.x) {
-    const int s = i / G, g = i % G;
-    const float d = __ldcg(part.d + at0 + i);
-    w[g * splits + s] = d == 0.f ? 0.f : d * __expf(w[g * splits + s] - sh_max[g]);
-  }
-  __syncthreads();
-  if (threadIdx.x < G) {
-    const int g = threadIdx.x;
+    for (int s = lane; s < splits; s += 32) mm = fmaxf(mm, wm[g * splits + s]);
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xFFFFFFFFu, mm, off));
     float sum = 0.f;
-    for (int s = 0; s < splits; ++s) sum += w[g * splits + s];
-    sh_sum[g] = sum;
+    for (int s = lane; s < splits; s += 32) {
+      const float d = wd[g * splits + s];
+      const float ws = d == 0.f ? 0.f : d * __expf(wm[g * splits + s] - mm);
+      wm[g * splits + s] = ws;
+      sum += ws;
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+    if (lane == 0) {
+      sh_inv[g] = sum == 0.f ? 0.f : 1.f / sum;
+      if (lse) lse[row * G + g] = sum == 0.f ? -INFINITY : mm + logf(sum);
+    }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D / 4; i += blockDim.x) {
-    const int g = i / (D / 4), c = (i % (D / 4)) * 4;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float ws = w[g * splits + s];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part.o + (at0 + std::size_t(s) * G + g) * D + c));
-      o.x += ws * v.x, o.y += ws * v.y, o.z += ws * v.z, o.w += ws * v.w;
-    }
-    const float sum = sh_sum[g];
-    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+  auto store = [&](int c4, const float4& o) {
+    const int g = c4 / (D / 4), c = (c4 % (D / 4)) * 4;
+    const float inv = sh_inv[g];
     T* dst = out + std::size_t(row) * G * D + g * D + c;
     dst[0] = FromFloat<T>(o.x * inv), dst[1] = FromFloat<T>(o.y * inv);
     dst[2] = FromFloat<T>(o.z * inv), dst[3] = FromFloat<T>(o.w * inv);
-    if (lse && c == 0) lse[row * G + g] = sum == 0.f ? -INFINITY : sh_max[g] + logf(sum);
+  };
+  for (int idx = threadIdx.x; idx < kCols * kParts; idx += kThreads) {
+    const int c4 = idx % kCols, q = idx / kCols;
+    const int g = c4 / (D / 4), c = (c4 % (D / 4)) * 4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+    for (int s = q; s < splits; s += kParts) {
+      const float ws = wm[g * splits + s];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part.o + (at0 + std::size_t(s) * G + g) * D + c));
+      o.x += ws * v.x, o.y += ws * v.y, o.z += ws * v.z, o.w += ws * v.w;
+    }
+    if constexpr (kParts > 1) sh_part[idx] = o;
+    else store(c4, o);
+  }
+  if constexpr (kParts > 1) {
+    __syncthreads();
+    for (int c4 = threadIdx.x; c4 < kCols; c4 += kThreads) {
+      float4 o = sh_part[c4];
+#pragma unroll
+      for (int q = 1; q < kParts; ++q) {
+        const float4 v = sh_part[q * kCols + c4];
+        o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
+      }
+      store(c4, o);
+    }
   }
 }
 
-// Most splits a plan may have: the merge's weights reuse sh_o (4 * G * D floats).
-inline constexpr int kMaxSplits = kAttendWarps * 64;
+// Most splits a plan may have: the merge's m, d and weights reuse sh_o
+// (kAttendWarps * G * D floats; 2 * G * splits needed, D >= 64).
+inline constexpr int kMaxSplits = kAttendWarps * 32;
 
 template <typename T, int D, int S, int G>
 __global__ void __launch_bounds__(kAttendWarps * 32)
