@@ -3,12 +3,15 @@
 //   attend   sparse decode attention over `budget` tokens of random slots
 //   select   summary scan + top-K at long contexts
 //   step     one layer's Quest step (select + attend) vs the same attention
-//            kernel over every page (dense), with the ideal 1/rho
+//            kernel over every page (dense), with the ideal 1/rho; launched
+//            one by one, and replayed as a CUDA graph (as the runtime runs it)
 // Each timed call follows a 512 MiB L2-flushing memset (untimed); figures are
 // medians of --reps calls after warm-up. Writes JSON lines to --json and
 // prints a table last. Inputs are fresh hash-random numbers (never zeros).
+// Each attention figure comes with a cudaMemcpyAsync of the same bytes: the
+// ceiling at that size.
 //   usage: questkv_gpu_kernels_bench [--json FILE] [--reps N]
-//          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b]]
+//          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b] [--batches 1,16]]
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -158,12 +161,18 @@ void BenchAttend(Timer& tm, int reps) {
         const double us = tm.MedianUs(reps, [&] { CHECK(RunAttend(plan, p, nullptr)); });
         const double bytes = double(rows) * per_row * slot_bytes;
         const double tbs = bytes / us / 1e6;
+        // The same bytes copied by cudaMemcpyAsync (device to device): the
+        // ceiling at this size, where fixed latency weighs beside bandwidth.
+        Dev copy_src{size_t(bytes)}, copy_dst{size_t(bytes)};
+        const double copy_us = tm.MedianUs(
+            reps, [&] { CHECK(cudaMemcpyAsync(copy_dst.p, copy_src.p, size_t(bytes), cudaMemcpyDeviceToDevice)); });
         Json("{\"bench\":\"attend\",\"geometry\":\"%s\",\"batch\":%d,\"budget\":%d,\"splits\":%d,\"us\":%.2f,"
-             "\"kv_bytes\":%.0f,\"tb_s\":%.3f}",
-             g.name, batch, budget, plan.splits, us, bytes, tbs);
+             "\"kv_bytes\":%.0f,\"tb_s\":%.3f,\"same_size_copy_us\":%.2f}",
+             g.name, batch, budget, plan.splits, us, bytes, tbs, copy_us);
         char line[256];
-        std::snprintf(line, sizeof line, "attend  %-9s b=%-2d budget=%-4d           %8.1f us  %5.2f TB/s  (%5.1f MiB, %d splits)",
-                      g.name, batch, budget, us, tbs, bytes / (1 << 20), plan.splits);
+        std::snprintf(line, sizeof line,
+                      "attend  %-9s b=%-2d budget=%-4d           %8.1f us  %5.2f TB/s  (%5.1f MiB, %d splits; a copy of these bytes %.1f us)",
+                      g.name, batch, budget, us, tbs, bytes / (1 << 20), plan.splits, copy_us);
         g_table.push_back(line);
       }
 }
@@ -171,7 +180,27 @@ void BenchAttend(Timer& tm, int reps) {
 // One layer's step at `context` tokens: select + attend, and dense.
 struct StepResult {
   double select_us, attend_us, step_us, dense_us, summary_bytes;
+  double step_graph_us, dense_graph_us;  // the same launches captured once in a CUDA graph, its replays timed
 };
+
+// Median microseconds of replays of the graph that captures enqueue(stream)
+// (as the runtime's decode step runs: one graph launch, no per-kernel launch
+// gaps), cold L2 like Timer::MedianUs.
+template <typename F> double GraphUs(Timer& tm, int reps, F enqueue) {
+  cudaStream_t st;
+  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  enqueue(st);
+  CHECK(cudaStreamEndCapture(st, &graph));
+  cudaGraphExec_t exec;
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = tm.MedianUs(reps, [&] { CHECK(cudaGraphLaunch(exec, nullptr)); });
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaStreamDestroy(st));
+  return us;
+}
 
 StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int budget, int reps, bool dense) {
   const int n = int(context / S);
@@ -250,6 +279,10 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
     CHECK(LaunchSelect(splan, sp, nullptr));
     CHECK(RunAttend(aplan, ap, nullptr));
   });
+  r.step_graph_us = GraphUs(tm, reps, [&](cudaStream_t st) {
+    CHECK(LaunchSelect(splan, sp, st));
+    CHECK(RunAttend(aplan, ap, st));
+  });
   if (dense) {
     std::vector<int32_t> dind(rows + 1);
     for (int i = 0; i <= rows; ++i) dind[i] = i * n;
@@ -270,6 +303,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
     dp.slot_ids = d_dslots.as<int32_t>();
     dp.workspace = dws.p;
     r.dense_us = tm.MedianUs(reps, [&] { CHECK(RunAttend(dplan, dp, nullptr)); });
+    r.dense_graph_us = GraphUs(tm, reps, [&](cudaStream_t st) { CHECK(RunAttend(dplan, dp, st)); });
   }
   CHECK(cudaDeviceSynchronize());
   return r;
@@ -289,14 +323,14 @@ void BenchSteps(Timer& tm, int reps) {
         const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
         Json("{\"bench\":\"step\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
              "\"attend_us\":%.2f,\"step_us\":%.2f,\"dense_us\":%.2f,\"dense_tb_s\":%.3f,\"select_summary_tb_s\":%.3f,"
-             "\"speedup\":%.3f,\"ideal\":%.3f}",
+             "\"speedup\":%.3f,\"ideal\":%.3f,\"step_graph_us\":%.2f,\"dense_graph_us\":%.2f,\"speedup_graph\":%.3f}",
              g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, r.dense_us, dense_tbs, sel_tbs, speedup,
-             1.0 / rho);
-        char line[320];
+             1.0 / rho, r.step_graph_us, r.dense_graph_us, r.dense_graph_us / r.step_graph_us);
+        char line[400];
         std::snprintf(line, sizeof line,
-                      "step    %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  dense %8.1f us (%4.2f TB/s)  speedup %5.2fx ideal %5.2fx",
+                      "step    %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  dense %8.1f us (%4.2f TB/s)  speedup %5.2fx ideal %5.2fx  graph: step %7.1f dense %8.1f %5.2fx",
                       g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us, r.dense_us, dense_tbs, speedup,
-                      1.0 / rho);
+                      1.0 / rho, r.step_graph_us, r.dense_graph_us, r.dense_graph_us / r.step_graph_us);
         g_table.push_back(line);
       }
   // Select alone where the dense pool would not fit.
@@ -308,11 +342,11 @@ void BenchSteps(Timer& tm, int reps) {
         const StepResult r = BenchStep(tm, g, batch, ctx, budget, reps, false);
         const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
         Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
-             "\"attend_us\":%.2f,\"step_us\":%.2f,\"select_summary_tb_s\":%.3f}",
-             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, sel_tbs);
+             "\"attend_us\":%.2f,\"step_us\":%.2f,\"select_summary_tb_s\":%.3f,\"step_graph_us\":%.2f}",
+             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, sel_tbs, r.step_graph_us);
         char line[256];
-        std::snprintf(line, sizeof line, "select  %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  (no dense: KV > 40 GB)",
-                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us);
+        std::snprintf(line, sizeof line, "select  %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  graph step %7.1f  (no dense: KV > 40 GB)",
+                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us, r.step_graph_us);
         g_table.push_back(line);
       }
 }
@@ -325,12 +359,17 @@ int main(int argc, char** argv) {
   bool select_only = false;
   std::vector<long long> select_contexts = {8192, 32768, 131072};
   std::string select_geo;  // empty: every geometry
+  std::vector<int> select_batches = {1, 16};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--select-only")) select_only = true;
     else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) {  // --select-only's, comma-separated
       select_contexts.clear();
       for (char* t = std::strtok(argv[++i], ","); t; t = std::strtok(nullptr, ",")) select_contexts.push_back(std::atoll(t));
     } else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // --select-only's
+    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) {  // --select-only's, comma-separated
+      select_batches.clear();
+      for (char* t = std::strtok(argv[++i], ","); t; t = std::strtok(nullptr, ",")) select_batches.push_back(std::atoi(t));
+    }
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
   }
@@ -344,15 +383,15 @@ int main(int argc, char** argv) {
   Timer tm;
   if (select_only) {  // quick A/B of select: no dense pools, no attention sweep
     for (const Geo& g : kGeos)
-      for (int batch : {1, 16})
+      for (int batch : select_batches)
         for (long long ctx : select_contexts) {
           if (!select_geo.empty() && select_geo != g.name) continue;
           const StepResult r = BenchStep(tm, g, batch, ctx, 2048, reps, false);
-          std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f\n", g.name, batch, ctx,
-                      r.select_us, r.attend_us, r.step_us);
+          std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f  graph step %7.1f\n", g.name,
+                      batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us);
           Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"select_us\":%.2f,"
-               "\"attend_us\":%.2f,\"step_us\":%.2f}",
-               g.name, batch, ctx, r.select_us, r.attend_us, r.step_us);
+               "\"attend_us\":%.2f,\"step_us\":%.2f,\"step_graph_us\":%.2f}",
+               g.name, batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us);
         }
     std::fclose(g_json);
     return 0;

@@ -1,7 +1,7 @@
 """Dense decode attention through PyTorch's scaled_dot_product_attention (flash and cuDNN
 backends, fp16, D 128) for the geometries, batches and contexts of gpu_kernels_bench's `step`
 rows, measured like the C++ bench (CUDA events, a 512 MiB L2-flushing fill before each call,
-3 warm-ups, median of --reps). With --bench-json (the C++ bench's JSON lines) it prints the
+3 warm-ups, median of --reps), called directly and replayed from a CUDA graph. With --bench-json (the C++ bench's JSON lines) it prints the
 comparison table last: Quest step vs our dense kernel vs SDPA, speedup vs the ideal 1/rho,
 and the crossover context below which dense is faster.
 usage: python3 bench/gpu/sdpa_baseline.py [--bench-json $OUT/bench.json] [--reps 15]"""
@@ -34,6 +34,20 @@ def median_us(fn, reps):
     return t[len(t) // 2]
 
 
+def graph_us(fn, reps):
+    """median_us of the replays of a CUDA graph that captures fn() (the C++ bench's graph column)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return median_us(g.replay, reps)
+
+
 rows = []
 for name, hq, hkv in GEOS:
     for B in (1, 16):
@@ -55,9 +69,16 @@ for name, hq, hkv in GEOS:
                 except Exception as e:  # a backend may refuse a shape
                     res[bname + "_us"] = None
                     res[bname + "_err"] = str(e)[:100]
+                try:
+                    res[bname + "_graph_us"] = graph_us(f, args.reps) if res[bname + "_us"] else None
+                except Exception as e:  # or its capture
+                    res[bname + "_graph_us"] = None
+                    res[bname + "_graph_err"] = str(e)[:100]
             rows.append(res)
             print(f"sdpa {name:9s} b={B:<2d} ctx={T:<7d} flash {res['flash_us'] or float('nan'):9.1f} us  "
-                  f"cudnn {res['cudnn_us'] or float('nan'):9.1f} us", flush=True)
+                  f"cudnn {res['cudnn_us'] or float('nan'):9.1f} us  graphs: flash "
+                  f"{res['flash_graph_us'] or float('nan'):9.1f} cudnn {res['cudnn_graph_us'] or float('nan'):9.1f}",
+                  flush=True)
             del k, v, q
             torch.cuda.empty_cache()
 out = os.environ.get("OUT", ".")
@@ -72,7 +93,7 @@ if args.bench_json:
             steps[(r["geometry"], r["batch"], r["context"])] = r
     print(f"\n== Quest step (select + attend, budget {BUDGET}, S={S}) vs dense decode attention; us, medians, cold L2 ==")
     print(f"{'geometry':9s} {'b':>2s} {'ctx':>8s} {'step':>8s} {'own dense':>10s} {'flash':>9s} {'cudnn':>9s} "
-          f"{'vs own':>7s} {'vs sdpa':>8s} {'ideal':>6s} {'% ideal':>8s}")
+          f"{'vs own':>7s} {'vs sdpa':>8s} {'ideal':>6s} {'% ideal':>8s} {'graph step':>10s} {'% ideal':>8s}")
     cross = {}
     for r in rows:
         key = (r["geometry"], r["batch"], r["context"])
@@ -83,12 +104,18 @@ if args.bench_json:
         best_dense = min(st["dense_us"], sdpa)
         ideal = 1.0 / (1.0 / S + min(1.0, BUDGET / r["context"]))
         sp = best_dense / st["step_us"]
+        # Graph replays on both sides: our step and dense kernel, SDPA captured by torch.cuda.graph.
+        dense_graph = [x for x in (st.get("dense_graph_us"), r.get("flash_graph_us"), r.get("cudnn_graph_us")) if x]
+        step_graph = st.get("step_graph_us")
+        sp_graph = min(dense_graph) / step_graph if dense_graph and step_graph else math.nan
         print(f"{r['geometry']:9s} {r['batch']:>2d} {r['context']:>8d} {st['step_us']:8.1f} {st['dense_us']:10.1f} "
               f"{r['flash_us'] or math.nan:9.1f} {r['cudnn_us'] or math.nan:9.1f} {st['dense_us'] / st['step_us']:6.2f}x "
-              f"{sdpa / st['step_us']:7.2f}x {ideal:5.2f}x {100 * sp / ideal:7.0f}%")
+              f"{sdpa / st['step_us']:7.2f}x {ideal:5.2f}x {100 * sp / ideal:7.0f}% {step_graph or math.nan:10.1f} "
+              f"{100 * sp_graph / ideal:7.0f}%")
         c = cross.setdefault(key[:2], [])
         c.append((r["context"], sp >= 1.0))
-    print("vs own: own dense / step; vs sdpa: best SDPA backend / step; % ideal: best dense (own or SDPA) / step / ideal")
+    print("vs own: own dense / step; vs sdpa: best SDPA backend / step; % ideal: best dense (own or SDPA) / step / ideal;")
+    print("graph step, % ideal: the step replayed as a CUDA graph, against the best dense replayed as one too")
     for (geo, b), pts in cross.items():
         pts.sort()
         slower = [t for t, win in pts if not win]
