@@ -5,8 +5,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cuda/common.cuh"
+
 namespace questkv::gpu_decode {
 namespace {
+
+using kernels::cuda::ScoreTerm;
+using kernels::cuda::SumGroup8;
 
 constexpr int kThreads = 256;
 
@@ -62,11 +67,11 @@ __global__ void SummaryKernel(PoolShape s, const __half* slots, const int32_t* l
 }
 
 // One warp per candidate. Lane l + 8 * u keeps ScorePagesCpu's partial sum
-// l (dimensions j ≡ l mod 8, in order) of query heads u, u + 4, ...; each
-// group of 8 lanes adds its sums pairwise by butterfly shuffles (the CPU's
-// order), and the heads are aggregated in order: the CPU's
-// float arithmetic and order (PageBound, then AggregateGroupScores), so the
-// scores equal LaunchSelect's bit for bit. head_dim is a multiple of 8.
+// l (dimensions j ≡ l mod 8, in order) of query heads u, u + 4, ... with
+// the score kernels' ScoreTerm; each group of 8 lanes adds its sums pairwise
+// (SumGroup8, the CPU's order), and the heads are aggregated in order: the
+// CPU's float arithmetic and order (PageBound, then AggregateGroupScores), so
+// the scores equal LaunchSelect's bit for bit. head_dim is a multiple of 8.
 constexpr int kHeadsPerPass = 4;  // 32 lanes / 8 partial sums
 __global__ void CandidateKernel(CandidateParams p) {
   const int lane = int(threadIdx.x & 31), l = lane & 7, u = lane >> 3;
@@ -86,16 +91,9 @@ __global__ void CandidateKernel(CandidateParams p) {
         const int g = g0 + u;
         float acc = 0.f;
         if (g < p.group)
-          for (int d = l; d < p.head_dim; d += 8) {
-            const float qd = q[int64_t(g) * p.head_dim + d];
-            const float a = __fmul_rn(qd, __half2float(lo[d]));
-            const float e = __fmul_rn(qd, __half2float(hi[d]));
-            acc = __fadd_rn(acc, a > e ? a : e);
-          }
-        // Head g0 + u's bound: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) of its partial sums.
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 1));
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 2));
-        acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, 4));
+          for (int d = l; d < p.head_dim; d += 8)
+            acc = ScoreTerm<false>(acc, q[int64_t(g) * p.head_dim + d], __half2float(lo[d]), __half2float(hi[d]));
+        acc = SumGroup8(acc);  // head g0 + u's bound
         for (int t = 0; t < kHeadsPerPass && g0 + t < p.group; ++t) {
           const float sum = __shfl_sync(0xFFFFFFFFu, acc, t * 8);
           if (g0 + t == 0) agg = sum;

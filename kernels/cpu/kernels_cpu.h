@@ -48,7 +48,9 @@ void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_
 // ---- score -------------------------------------------------------------------
 
 // U_p(q) = Σ_j max(q_j·min_j, q_j·max_j) (eq. 2–3), unscaled, for G query heads
-// against n head-pages of KV head `kv_head`.
+// against n head-pages of KV head `kv_head`. Each term is computed as
+// q_j·(q_j >= 0 ? max_j : min_j): the same float whenever min_j <= max_j, as
+// in every summary of real keys (a slab with min_j > max_j gets that form).
 //   q         [G][D]
 //   slab      summary slab base, [PageId][Hkv][2][D]
 //   page_ids  [n] PageIds in logical order

@@ -13,21 +13,19 @@ namespace {
 // butterfly shuffles, every lane the same bits (addition commutes exactly).
 constexpr int kLanes = 8;
 
+// max(q·lo, q·hi) as q·(q >= 0 ? hi : lo): the same float for every
+// summary with lo <= hi (rounding is monotone, so the larger exact product
+// rounds to the larger float), and one product instead of two. The GPU's
+// ScoreTerm (kernels/cuda/common.cuh) picks the bound the same way.
+inline float Term(float q, float lo, float hi) { return q * (q >= 0.f ? hi : lo); }
+
 float PageBound(const float* q, const float* lo, const float* hi, int head_dim) {
   float acc[kLanes] = {};
   int j = 0;
   for (; j + kLanes <= head_dim; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float a = q[j + l] * lo[j + l];
-      const float b = q[j + l] * hi[j + l];
-      acc[l] += a > b ? a : b;
-    }
+    for (int l = 0; l < kLanes; ++l) acc[l] += Term(q[j + l], lo[j + l], hi[j + l]);
   float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; j < head_dim; ++j) {
-    const float a = q[j] * lo[j];
-    const float b = q[j] * hi[j];
-    sum += a > b ? a : b;
-  }
+  for (; j < head_dim; ++j) sum += Term(q[j], lo[j], hi[j]);
   return sum;
 }
 

@@ -75,6 +75,33 @@ __device__ __forceinline__ void WaitCopies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// ---- Quest page scores (eq. 2-3) ---------------------------------------------
+// One term for one query head and dimension, rounded exactly as the CPU twin
+// (kernels/cpu/score_cpu.cc PageBound) does: acc + q * (q >= 0 ? hi : lo),
+// which is acc + max(q * lo, q * hi) whenever lo <= hi (a page's min and max
+// key): the product kept is the larger one, and rounding is monotone. The
+// sign picks the bound, so a term is a compare, a select and one fma instead
+// of two products and a max. With 16-bit q and summaries (kExact) the
+// product q * m is exact in float (at most 22 significant bits) unless it
+// leaves float's normal range (bf16 values beyond about 1e±19), so one fma
+// rounds as __fadd_rn(acc, q * m) does.
+template <bool kExact>
+__device__ __forceinline__ float ScoreTerm(float acc, float q, float lo, float hi) {
+  const float m = q >= 0.f ? hi : lo;
+  if constexpr (kExact) return __fmaf_rn(q, m, acc);
+  else return __fadd_rn(acc, __fmul_rn(q, m));
+}
+
+// The CPU twin's 8 partial sums added in its order, ((0 + 1) + (2 + 3)) +
+// ((4 + 5) + (6 + 7)), when lane l of each aligned group of 8 lanes holds
+// partial sum l: three butterfly shuffles, every lane of the group ending
+// with the same bits.
+__device__ __forceinline__ float SumGroup8(float v) {
+  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+  return __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+}
+
 // ---- programmatic dependent launch (sm_90) ----------------------------------
 // A decode step's layer is a chain of ~9 small kernels (append, score, top-K,
 // the resolve's five, attention), each waiting for the one before. Launched

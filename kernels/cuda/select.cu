@@ -106,24 +106,7 @@ __device__ __forceinline__ void Load8(const T* row, int c, float* out) {
   for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
 }
 
-// One term of eq. 2–3 for one query head, rounded exactly as ScorePagesCpu
-// does: acc + max(q·lo, q·hi). With 16-bit q and summaries (kExact) every
-// product q·m is exact in float (at most 22 significant bits) unless it
-// leaves float's normal range (bf16 values beyond about 1e±19), so one fma
-// rounds acc + q·m as __fadd_rn(acc, q·m) does, and rounding is monotone:
-// max(round(acc + a), round(acc + e)) = round(acc + max(a, e)), NaN cases
-// included, in one instruction fewer. The two forms can differ only once acc
-// is infinite and a later product is too: summaries holding infinities.
-template <bool kExact>
-__device__ __forceinline__ float ScoreTerm(float acc, float q, float lo, float hi) {
-  if constexpr (kExact) {
-    const float a = __fmaf_rn(q, lo, acc), e = __fmaf_rn(q, hi, acc);
-    return a > e ? a : e;
-  } else {
-    const float a = __fmul_rn(q, lo), e = __fmul_rn(q, hi);
-    return __fadd_rn(acc, a > e ? a : e);
-  }
-}
+// ScoreTerm's fma form is exact when q and the summaries are 16-bit.
 template <typename QT, typename SumT>
 constexpr bool kExactProducts = sizeof(QT) == 2 && sizeof(SumT) == 2;
 
@@ -138,14 +121,6 @@ __device__ __forceinline__ void FoldChunk8(float* acc, const float* qv, const fl
 __device__ __forceinline__ float SumLanes8(const float* acc) {
   return __fadd_rn(__fadd_rn(__fadd_rn(acc[0], acc[1]), __fadd_rn(acc[2], acc[3])),
                    __fadd_rn(__fadd_rn(acc[4], acc[5]), __fadd_rn(acc[6], acc[7])));
-}
-
-// The same sum when lane l of each aligned group of 8 holds partial sum l:
-// three butterfly shuffles, every lane of the group ending with the same bits.
-__device__ __forceinline__ float SumGroup8(float v) {
-  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
-  v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
-  return __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
 }
 
 // Folds each lane's scored key into its row's key range: per distinct row of

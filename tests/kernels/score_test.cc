@@ -124,10 +124,11 @@ float RoundToBits(float x, int bits) {
   return std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
 }
 
-// The premise of the GPU score kernels' fma form (select.cu, ScoreTerm): with
-// 16-bit q and summaries every product is exact in float, so one fma rounds
-// acc + q·m as a multiply then an add does, and the larger of the two fma
-// sums is acc + max(q·lo, q·hi): ScorePagesCpu's term, bit for bit.
+// The premise of the GPU score kernels' fma form (common.cuh, ScoreTerm):
+// with 16-bit q and summaries every product is exact in float, so one fma
+// rounds acc + q·m as a multiply then an add does, and the fma with the bound
+// q's sign picks is acc + max(q·lo, q·hi) (lo <= hi): ScorePagesCpu's term,
+// bit for bit.
 TEST(ScorePages, FmaTermEqualsMultiplyAddForSixteenBitInputs) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -146,11 +147,42 @@ TEST(ScorePages, FmaTermEqualsMultiplyAddForSixteenBitInputs) {
         const float x = std::fma(q, lo, acc), y = std::fma(q, hi, acc);
         ASSERT_EQ(x, acc + a) << "q " << q << " lo " << lo << " acc " << acc;
         ASSERT_EQ(y, acc + b) << "q " << q << " hi " << hi << " acc " << acc;
-        const float got = x > y ? x : y;
+        const float got = std::fma(q, q >= 0.f ? hi : lo, acc);
         ASSERT_EQ(std::memcmp(&got, &want, 4), 0) << "q " << q << " lo " << lo << " hi " << hi << " acc " << acc;
         ++checked;
       }
   EXPECT_EQ(checked, 800000);
+}
+
+// The term's bound picked by q's sign: max(q·lo, q·hi) is q·hi for q >= 0 and
+// q·lo below, bit for bit, whenever lo <= hi (subnormals, huge products and
+// zeros included, up to the sign of a zero product, which a sum starting at
+// +0 cannot tell; a page's summary always has lo <= hi). With lo > hi the two
+// forms differ, so the test can fail.
+TEST(ScorePages, SignPicksTheLargerProductForOrderedBounds) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> scale(-140, 120);
+  const float specials[] = {0.f, -0.f, 1e-45f, -1e-45f, 3e38f, -3e38f};
+  int checked = 0, differ_unordered = 0;
+  for (int i = 0; i < 400000; ++i) {
+    auto draw = [&] { return i % 7 == 0 ? specials[rng() % 6] : std::ldexp(normal(rng), scale(rng) / 2); };
+    const float q = draw();
+    float lo = draw(), hi = draw();
+    if (hi < lo) {
+      const float a = q * hi, b = q * lo;  // unordered bounds: the forms may differ
+      differ_unordered += (a > b ? a : b) != q * (q >= 0.f ? hi : lo);
+      std::swap(lo, hi);
+    }
+    const float a = q * lo, b = q * hi;
+    const float want = a > b ? a : b;
+    const float got = q * (q >= 0.f ? hi : lo);
+    ASSERT_EQ(std::memcmp(&got, &want, 4) == 0 || (got == 0.f && want == 0.f), true)
+        << "q " << q << " lo " << lo << " hi " << hi;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 400000);
+  EXPECT_GT(differ_unordered, 0);
 }
 
 // The order the GPU paths reproduce: partial sum l holds dimensions j ≡ l
