@@ -121,7 +121,7 @@ __device__ void MergeRow(const PartialView& part, int row, int splits, float* w,
     const int c4 = idx % kCols, q = idx / kCols;
     const int g = c4 / (D / 4), c = (c4 % (D / 4)) * 4;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
+#pragma unroll 8
     for (int s = q; s < splits; s += kParts) {
       const float ws = wm[g * splits + s];
       const float4 v = __ldcg(reinterpret_cast<const float4*>(part.o + (at0 + std::size_t(s) * G + g) * D + c));
