@@ -351,6 +351,13 @@ void BenchSteps(Timer& tm, int reps) {
       }
 }
 
+// "8192,32768" -> {8192, 32768} (--select-only's --contexts and --batches).
+template <typename T> std::vector<T> CommaList(char* arg) {
+  std::vector<T> v;
+  for (char* t = std::strtok(arg, ","); t; t = std::strtok(nullptr, ",")) v.push_back(T(std::atoll(t)));
+  return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -362,14 +369,9 @@ int main(int argc, char** argv) {
   std::vector<int> select_batches = {1, 16};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--select-only")) select_only = true;
-    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) {  // --select-only's, comma-separated
-      select_contexts.clear();
-      for (char* t = std::strtok(argv[++i], ","); t; t = std::strtok(nullptr, ",")) select_contexts.push_back(std::atoll(t));
-    } else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // --select-only's
-    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) {  // --select-only's, comma-separated
-      select_batches.clear();
-      for (char* t = std::strtok(argv[++i], ","); t; t = std::strtok(nullptr, ",")) select_batches.push_back(std::atoi(t));
-    }
+    else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) select_contexts = CommaList<long long>(argv[++i]);
+    else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // --select-only's
+    else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) select_batches = CommaList<int>(argv[++i]);
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
   }

@@ -67,8 +67,9 @@ inline PartialView Partials(void* ws, int rows, int splits, int group, int head_
 // split weights d_s * exp(m_s - M) and their sum (each lane a strided share
 // of the splits, then a butterfly: a fixed order); then the partial o's are
 // summed by P threads per 4 columns (P = the block's threads over the row's
-// G * D / 4 column groups, at least 1), 16 loads in flight each, and the P
-// sums added in order. __ldcg reads the other blocks' partials from L2. (A
+// G * D / 4 column groups, at least 1), 8 loads in flight each (16 took the
+// G = 1 kernel past 64 registers: a second wave at batch 16), and the P sums
+// added in order. __ldcg reads the other blocks' partials from L2. (A
 // few threads walking the splits in turn, and d read twice, cost ~1 us of a
 // 15 us batch-1 attention on the H200.)
 template <typename T, int D, int G>
