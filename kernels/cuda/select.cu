@@ -13,29 +13,29 @@
 //     The G query heads of a group share each summary read; kMax/kMean
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
-//  2. HistKernel (kMax/kMean, rows longer than the shared key cache): many
-//     blocks per (sequence, KV head) row build a
-//     histogram of the row's keys over [min, max] in global memory; the row's
-//     last block finds the bin that holds the k-th largest key.
-//  3. TopKKernel: one block per row: gathers the keys of that bin and radix
-//     selects among them (four 8-bit digits) the k-th key and how many keys
-//     equal to it win, then one ordered pass emits sink ∪ local ∪ winners
-//     ascending; keys equal to the k-th win in index order. Rows held in its
-//     shared key cache find the k-th key the same way in one block (a range
-//     histogram, then the bin's keys), or by the radix select alone when
-//     short. kUnion selects per query head over the whole row and ORs the
-//     winners into a byte mask first.
-//  4. Rows of more than kLongRowMin keys (kMax/kMean): TopKKernel only finds
-//     each row's k-th key (2 + 3); EmitCountKernel and EmitKernel then emit
-//     the row in order over chunks of keys, many blocks per row.
+//  2. Batches with a row of more than kLongRowMin keys (kMax/kMean), many
+//     blocks per (sequence, KV head) row throughout: HistKernel builds a
+//     histogram of each row's keys over [min, max] in global memory, the
+//     row's last block finding the bin that holds the k-th largest key;
+//     BinSelectKernel counts each chunk's winners above that bin and gathers
+//     the bin's keys, the row's last block radix-selecting the k-th key among
+//     them (four 8-bit digits) and how many keys equal to it win;
+//     EmitKernel then emits sink ∪ local ∪ winners ascending, chunk by
+//     chunk, keys equal to the k-th winning in index order.
+//  3. Other batches, TopKKernel: one block per row finds the k-th key the
+//     same way over the row's keys held in its shared key cache (a range
+//     histogram, then the bin's keys) or by the radix select alone when
+//     short, and emits the row in one ordered pass. kUnion selects per query
+//     head over the whole row and ORs the winners into a byte mask first.
 //  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, all rows'
-//  clusters in one wave): 1-3 in one launch, a cluster of 8 blocks per row scoring
+//  clusters in one wave): 1 and 3 in one launch, a cluster of 8 blocks per row scoring
 //  into the first block's shared key cache, which then selects and emits.
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <climits>
 #include <mutex>
 #include <string>
 
@@ -81,9 +81,10 @@ __device__ inline uint32_t Key(float x) {
 
 // Per-row state of the multi-block top-K (kMax/kMean), zeroed by LaunchSelect:
 // the largest key and the complement of the smallest among the row's scored
-// (non-sink, non-local) pages, and the histogram kernel's finish counter.
+// (non-sink, non-local) pages, the histogram kernel's and the bin select's
+// finish counters, and how many candidates the bin select has gathered.
 struct RowState {
-  uint32_t kmax, kmin_inv, done, pad;
+  uint32_t kmax, kmin_inv, done, bin_done, n_cand, pad[3];
 };
 constexpr int kBins = 2048;  // histogram bins over [kmin, kmax]
 
@@ -905,20 +906,12 @@ __device__ __forceinline__ void EmitSlots(const SelectParams& p, const uint32_t*
     p.out_slots[out0 + j] = p.hbm_slot[(std::size_t)ids[p.out_pages[out0 + j]] * p.shape.kv_heads + h];
 }
 
-// pick/st non-null (kMax/kMean): HistKernel has found the bin of the k-th
-// key; the block gathers that bin's keys into shared memory and radix-selects
-// among them only.
-// kCachedMaxMean: only rows whose keys fit the shared cache, kMax/kMean, no
-// bin (the common short-row case, compiled alone: a smaller kernel misses
-// the instruction cache less).
-// pick non-null (long rows; row_kth is then set too): the binned rows' k-th
-// key, ties and equal count go to row_kth[row] = (kth, ties, equal, 1) for
-// EmitCountKernel and EmitKernel to emit across many blocks; rows emitted
-// here get w = 0.
+// kCachedMaxMean: only rows whose keys fit the shared cache, kMax/kMean
+// (the common short-row case, compiled alone: a smaller kernel misses the
+// instruction cache less).
 template <bool kCachedMaxMean>
 __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, int key_cache, float* scores,
-                                                            uint8_t* marks, const RowState* st, const int2* pick,
-                                                            int4* row_kth) {
+                                                            uint8_t* marks) {
   ChainWait();
   ChainRelease();
   extern __shared__ uint32_t cache[];
@@ -945,48 +938,6 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
     int ties = 0, equal = 0;
-    // Long rows (pick, st and row_kth all set): the k-th key goes to
-    // EmitCountKernel and EmitKernel, which emit the row.
-    if (!kCachedMaxMean && A == 1 && pick != nullptr) {
-      const int2 pk = pick[row];
-      const uint32_t kmin = ~st[row].kmin_inv;
-      const int shift = RangeShift(st[row].kmax - kmin);
-      const float* row_scores = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
-      if (threadIdx.x == 0) sh.n_cand = 0;
-      __syncthreads();
-      constexpr int kPer = 8;
-      for (int c0 = 0; c0 < r.n; c0 += kTopKThreads * kPer) {
-        float x[kPer];
-#pragma unroll
-        for (int t = 0; t < kPer; ++t) {
-          const int i = c0 + t * kTopKThreads + threadIdx.x;
-          x[t] = i < r.n ? __ldg(row_scores + i) : 0.f;
-        }
-#pragma unroll
-        for (int t = 0; t < kPer; ++t) {
-          const int i = c0 + t * kTopKThreads + threadIdx.x;
-          if (i < r.n && !Skipped(r, i)) {
-            const uint32_t key = Key(x[t]);
-            if (int((key - kmin) >> shift) == pk.x) {
-              const int j = atomicAdd(&sh.n_cand, 1);
-              if (j < key_cache) cache[CacheSlot(j)] = key;
-            }
-          }
-        }
-      }
-      __syncthreads();
-      const int c = sh.n_cand;
-      if (c <= key_cache) {
-        RowPolicy cr{};
-        cr.n = c;
-        cr.k = pk.y;
-        RadixKth(Keys{nullptr, cache}, cr, sh, &kth, &ties, &equal);
-      } else {
-        RadixKth(Keys{row_scores, nullptr}, r, sh, &kth, &ties, &equal);
-      }
-      if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
-      return;  // block-uniform
-    }
     // SelectShortRow below; shorter rows are faster through RadixKth alone
     // (H200: 2048 keys 14.5 us vs 19.6 us; 8192 keys 32 vs 22 us with the
     // histogram's bins from a 64-bit division).
@@ -1053,23 +1004,29 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
   __syncthreads();  // out_pages written
   EmitSlots(p, ids, h, out0, count);
   if (threadIdx.x == 0) p.out_count[row] = count;
-  if (row_kth && threadIdx.x == 0) row_kth[row].w = 0;
 }
 
 // Long rows (kMax/kMean, rows of more than kLongRowMin keys in the batch):
-// once TopKKernel has found each row's k-th key, the ordered emit runs over
-// chunks of kEmitChunk keys in many blocks instead of one block per row
-// (which took ~50-65 us on rows of 32K-64K keys on the H200).
-// EmitCountKernel counts each chunk's winners other than the keys equal to
-// the k-th (keys above it, sink and local pages) and its keys equal to the
-// k-th; EmitKernel adds up the chunks before its own (equal keys win in
-// index order while their rank is below `ties`) and emits its chunk in
-// order. Grid (chunks, rows) for both.
+// once HistKernel has found the bin of each row's k-th key, the rest runs
+// over chunks of kEmitChunk keys in many blocks, never one block over a
+// whole row (H200, Llama-3-8B b1 1M: one block a row gathering its bin's
+// keys took 27 us of the select, under ncu's clocks; the ordered emit in one
+// block a row took ~50-65 us on rows of 32K-64K keys).
+// BinSelectKernel: each chunk's winners other than the keys in the k-th
+// key's bin (sink and local pages, keys in higher bins) are counted, and the
+// bin's keys appended to the row's candidates; the row's last block to
+// finish radix-selects the k-th key among them and adds each candidate to
+// its chunk's count of keys above or equal to the k-th. EmitKernel adds up
+// the chunks before its own (equal keys win in index order while their
+// rank is below `ties`) and emits its chunk in order. Grid (chunks, rows)
+// for both.
 constexpr int kEmitThreads = 256;
 constexpr int kEmitItems = 16;
 constexpr int kEmitChunk = kEmitThreads * kEmitItems;
 constexpr int kLongRowMin = 16384;  // keys; longer rows take HistKernel + the chunked emit
+constexpr int kBinCap = 4096;       // candidates a row's bin select holds; a fuller bin takes the row's keys
 using EmitScan = cub::BlockScan<int, kEmitThreads>;
+using EmitReduce = cub::BlockReduce<int, kEmitThreads>;
 
 struct EmitRow {
   RowPolicy r;
@@ -1087,32 +1044,95 @@ __device__ __forceinline__ EmitRow EmitRowOf(const SelectParams& p, const float*
   return e;
 }
 
-__global__ void __launch_bounds__(kEmitThreads) EmitCountKernel(SelectParams p, const float* scores,
-                                                                const int4* row_kth, int2* counts) {
+// counts[row][chunk] = (winners other than keys equal to the k-th, keys
+// equal to it); row_kth[row] = (k-th key, ties that win, keys equal, 1).
+// cand: the rows' candidate lists, cand_cap (key, index) pairs each.
+__global__ void __launch_bounds__(kEmitThreads) BinSelectKernel(SelectParams p, const float* scores, RowState* st,
+                                                                const uint32_t* ghist, const int2* pick, int2* cand,
+                                                                int cand_cap, int4* row_kth, int2* counts) {
   ChainWait();
   ChainRelease();
-  __shared__ typename cub::BlockReduce<int, kEmitThreads>::TempStorage red;
+  __shared__ typename EmitReduce::TempStorage red;
+  __shared__ TopKShared sh;
+  __shared__ uint32_t keys[kBinCap + kBinCap / 32 + 1];
+  __shared__ bool last;
   const int row = blockIdx.y;
-  const int4 rk = row_kth[row];
-  if (rk.w != 1) return;
   const EmitRow e = EmitRowOf(p, scores, row);
+  const RowPolicy& r = e.r;
   const int c0 = blockIdx.x * kEmitChunk;
-  int above = 0, equal = 0;
+  if (c0 >= r.n) return;
+  int2* chunk_counts = counts + (std::size_t)row * gridDim.x;
+  if (r.all || r.k == 0) {  // winners known without a k-th key: every page, or the sink and local ones
+    int fixed = 0;
+    for (int t = 0; t < kEmitItems; ++t) {
+      const int i = c0 + t * kEmitThreads + int(threadIdx.x);
+      fixed += i < r.n && (r.all || Skipped(r, i)) ? 1 : 0;
+    }
+    const int f = EmitReduce(red).Sum(fixed);
+    if (threadIdx.x == 0) {
+      chunk_counts[blockIdx.x] = make_int2(f, 0);
+      // Every key is above 0 or equal to it and all equal ones win; none is
+      // above or equal to 2^32 - 1 (Key never gives it).
+      if (blockIdx.x == 0) row_kth[row] = r.all ? make_int4(0, INT_MAX, 0, 1) : make_int4(-1, 0, 0, 1);
+    }
+    return;
+  }
+  const int2 pk = pick[row];
+  const uint32_t kmin = ~st[row].kmin_inv;
+  const int shift = RangeShift(st[row].kmax - kmin);
+  const bool gather = int(ghist[(std::size_t)row * kBins + pk.x]) <= cand_cap;
+  int2* rc = cand + (std::size_t)row * cand_cap;
+  int above = 0;
   for (int t = 0; t < kEmitItems; ++t) {
     const int i = c0 + t * kEmitThreads + int(threadIdx.x);
-    if (i >= e.r.n) break;
-    if (Skipped(e.r, i)) {
+    if (i >= r.n) break;
+    if (Skipped(r, i)) {
       ++above;
       continue;
     }
     const uint32_t key = Key(__ldg(e.scores + i));
-    above += key > uint32_t(rk.x) ? 1 : 0;
-    equal += key == uint32_t(rk.x) ? 1 : 0;
+    const int bin = int((key - kmin) >> shift);
+    if (bin > pk.x) ++above;
+    else if (bin == pk.x && gather) rc[atomicAdd(&st[row].n_cand, 1u)] = make_int2(int(key), i);
   }
-  const int a = cub::BlockReduce<int, kEmitThreads>(red).Sum(above);
+  const int a = EmitReduce(red).Sum(above);
+  if (threadIdx.x == 0) {
+    chunk_counts[blockIdx.x] = make_int2(a, 0);
+    __threadfence();
+    const unsigned blocks = unsigned((r.n + kEmitChunk - 1) / kEmitChunk);
+    last = atomicAdd(&st[row].bin_done, 1u) == blocks - 1;
+  }
   __syncthreads();
-  const int q = cub::BlockReduce<int, kEmitThreads>(red).Sum(equal);
-  if (threadIdx.x == 0) counts[(std::size_t)row * gridDim.x + blockIdx.x] = make_int2(a, q);
+  if (!last) return;
+  __threadfence();
+  uint32_t kth = 0;
+  int ties = 0, equal = 0;
+  if (gather) {
+    const int c = int(__ldcg(&st[row].n_cand));
+    for (int j = threadIdx.x; j < c; j += kEmitThreads) keys[CacheSlot(j)] = uint32_t(__ldcg(&rc[j].x));
+    __syncthreads();
+    RowPolicy cr{};
+    cr.n = c;
+    cr.k = pk.y;
+    RadixKth(Keys{nullptr, keys}, cr, sh, &kth, &ties, &equal);
+    for (int j = threadIdx.x; j < c; j += kEmitThreads) {
+      const uint32_t key = keys[CacheSlot(j)];
+      int* at = &chunk_counts[__ldcg(&rc[j].y) / kEmitChunk].x;
+      if (key > kth) atomicAdd(at, 1);
+      else if (key == kth) atomicAdd(at + 1, 1);
+    }
+  } else {  // many equal scores: the whole row's keys, from the scores
+    RadixKth(Keys{e.scores, nullptr}, r, sh, &kth, &ties, &equal);
+    for (int i = threadIdx.x; i < r.n; i += kEmitThreads) {
+      if (Skipped(r, i)) continue;
+      const uint32_t key = Key(__ldcg(e.scores + i));
+      if (int((key - kmin) >> shift) != pk.x) continue;
+      int* at = &chunk_counts[i / kEmitChunk].x;
+      if (key > kth) atomicAdd(at, 1);
+      else if (key == kth) atomicAdd(at + 1, 1);
+    }
+  }
+  if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
 }
 
 __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const float* scores, const int4* row_kth,
@@ -1397,12 +1417,13 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
   const std::size_t head_pages = std::size_t(plan->total_pages) * s.kv_heads;
   const std::size_t rows = std::size_t(s.batch) * s.kv_heads;
   // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks,
-  // the long rows' k-th keys and chunk counts.
+  // the long rows' k-th keys, chunk counts and bin candidates.
   const std::size_t chunks = std::size_t(plan->max_pages + kEmitChunk - 1) / kEmitChunk;
   plan->workspace_bytes = AlignUp(head_pages * A * sizeof(float)) + (A > 1 ? AlignUp(head_pages) : 0) +
                           (A == 1 ? AlignUp(rows * (sizeof(RowState) + kBins * sizeof(uint32_t))) +
                                         AlignUp(rows * sizeof(int2)) + AlignUp(rows * sizeof(int4)) +
-                                        AlignUp(rows * chunks * sizeof(int2))
+                                        AlignUp(rows * chunks * sizeof(int2)) +
+                                        (plan->max_pages > kLongRowMin ? rows * kBinCap * sizeof(int2) : 0)
                                   : 0);
   plan->score_blocks = std::max(1, num_sms) * kScoreBlocksPerSm;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
@@ -1440,6 +1461,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   int2* pick = nullptr;
   int4* row_kth = nullptr;
   int2* chunk_counts = nullptr;
+  int2* cand = nullptr;
   const int chunks = (plan.max_pages + kEmitChunk - 1) / kEmitChunk;
   // The multi-block histogram and chunked emit cost a memset and three
   // launches; they pay off for rows of more than kLongRowMin keys (H200:
@@ -1453,6 +1475,8 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     row_kth = reinterpret_cast<int4*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)));
     chunk_counts = reinterpret_cast<int2*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)) +
                                            AlignUp(std::size_t(rows) * sizeof(int4)));
+    cand = reinterpret_cast<int2*>(reinterpret_cast<char*>(chunk_counts) +
+                                   AlignUp(std::size_t(rows) * chunks * sizeof(int2)));
     const cudaError_t e =
         cudaMemsetAsync(st, 0, std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)), stream);
     if (e != cudaSuccess) return e;
@@ -1475,22 +1499,25 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
         return e;
     }
   }
+  if (st) {  // long rows: the bin select and the chunked emit, many blocks a row
+    const dim3 grid(chunks, rows);
+    const int cand_cap = std::min(kBinCap, plan.key_cache);
+    for (const cudaError_t e : {LaunchChained(BinSelectKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, st, ghist,
+                                              pick, cand, cand_cap, row_kth, chunk_counts),
+                                LaunchChained(EmitKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth,
+                                              chunk_counts)})
+      if (e != cudaSuccess) return e;
+    return cudaGetLastError();
+  }
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
-  const bool common = !s.dense && !unioned && !st && plan.max_pages <= plan.key_cache;
+  const bool common = !s.dense && !unioned && plan.max_pages <= plan.key_cache;
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
   for (const cudaError_t e : {AllowKeyCache<TopKKernel<true>>(), AllowKeyCache<TopKKernel<false>>()})
     if (e != cudaSuccess) return e;
   if (const cudaError_t e = LaunchChained(kernel, dim3(rows), dim3(kTopKThreads), smem, stream, p,
-                                          s.dense ? 0 : plan.key_cache, scores, marks, st, pick, row_kth);
+                                          s.dense ? 0 : plan.key_cache, scores, marks);
       e != cudaSuccess)
     return e;
-  if (row_kth) {
-    const dim3 grid(chunks, rows);
-    for (const cudaError_t e :
-         {LaunchChained(EmitCountKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth, chunk_counts),
-          LaunchChained(EmitKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth, chunk_counts)})
-      if (e != cudaSuccess) return e;
-  }
   return cudaGetLastError();
 }
 
