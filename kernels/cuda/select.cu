@@ -27,9 +27,10 @@
 //     histogram, then the bin's keys) or by the radix select alone when
 //     short, and emits the row in one ordered pass. kUnion selects per query
 //     head over the whole row and ORs the winners into a byte mask first.
-//  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, all rows'
-//  clusters in one wave): 1 and 3 in one launch, a cluster of 8 blocks per row scoring
-//  into the first block's shared key cache, which then selects and emits.
+//  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, <= 8192
+//  head-pages in all, all rows' clusters in one wave): 1 and 3 in one
+//  launch, a cluster of 8 blocks per row scoring into the first block's
+//  shared key cache, which then selects and emits.
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -1220,9 +1221,14 @@ __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const
 // keys and emits the row, as TopKKernel does. No score workspace, no memset.
 // (Up to 8192 pages, with a thread per page and SelectShortRow in the first
 // block, it was slower than score + top-K at 128K on the H200: 46 vs 38 us
-// a layer, bench/results/2026-11-29-gpu-session-7.md.)
+// a layer, bench/results/2026-11-29-gpu-session-7.md.) Past kFuseMaxHeadPages
+// head-pages in all, the lanes score kernel on every SM then the top-K is
+// faster (H200, Llama-3-8B select: b1 32K 24.7 -> 22.6 us, b2 16K 24.6 ->
+// 20.4, b2 32K 36.8 -> 26.6; b1 16K stays fused, 17.7 against 18.9;
+// bench/results/2026-12-02-gpu-session-15.md).
 constexpr int kFuseBlocks = 8;
 constexpr int kFuseMaxPages = 2048;
+constexpr long long kFuseMaxHeadPages = 8192;
 
 template <typename QT, typename SumT, int D, int G>
 __global__ void __cluster_dims__(kFuseBlocks, 1, 1) __launch_bounds__(kTopKThreads, 1)
@@ -1435,6 +1441,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   const int rows = s.batch * s.kv_heads;
   if (!s.dense && s.gqa != GqaAgg::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
       plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
+      (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
       rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm)) {  // one wave: a cluster block per SM
     const std::size_t smem = std::size_t(plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
     const dim3 grid(kFuseBlocks, rows);
