@@ -47,7 +47,15 @@
 namespace questkv::kernels::cuda {
 namespace {
 
-constexpr int kTopKThreads = 512;
+// The top-K and fused select blocks. A row's top-K is one block whose warps
+// each run a chain of dependent phases, ~1500 instructions at ~17 cycles
+// apiece (ncu, 512 threads x 16 keys); 1024 threads x 8 keys halve each
+// warp's unrolled key loops (H200, select + attend, same call: Llama-3-8B
+// b1 128K 50.7 -> 45.9 us, b1 256K 68.7 -> 63.6, b16 128K 222.9 -> 218.3;
+// Llama-2-7B b1 128K 85.6 -> 80.3; b1 8K, fused, 26.1 -> 26.7;
+// bench/results/2026-12-02-gpu-session-16.md). Cutting barriers and
+// dependent loads instead gained nothing.
+constexpr int kTopKThreads = 1024;
 constexpr int kMaxKeyCache = 47616;  // 192 KiB of keys (with padding) in shared memory
 
 // Per-sequence policy numbers, as select.cc computes them.
@@ -637,7 +645,7 @@ __device__ void RadixKth(const Keys& keys, const RowPolicy& r, TopKShared& sh, u
 // (two block scans per kItems * blockDim indices); emit(i, pos) for each i
 // with take(i, eq_rank) true, pos counting the taken ones. eq(i) marks the
 // keys equal to the k-th, eq_rank counts them before i.
-constexpr int kItems = 16;
+constexpr int kItems = 8;
 template <typename Take, typename Eq, typename Emit>
 __device__ int OrderedPass(int n, TopKShared& sh, Eq eq, Take take, Emit emit) {
   int eq_base = 0, out_base = 0;
