@@ -557,7 +557,7 @@ struct TopKShared {
 };
 
 // One padding word per 32 keys: OrderedPass's threads read kItems
-// consecutive keys each, which would otherwise hit one bank 16 ways.
+// consecutive keys each, which would otherwise hit one bank kItems (8) ways.
 __device__ __forceinline__ int CacheSlot(int i) { return i + (i >> 5); }
 
 // Key of candidate i (cache in shared memory when the row fits).
