@@ -12,6 +12,7 @@
 // ceiling at that size.
 //   usage: questkv_gpu_kernels_bench [--json FILE] [--reps N]
 //          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b] [--batches 1,16]]
+//          [--attend-only [--geometry ..] [--batches ..]]  (copy + attend: a quick A/B of the attention)
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -129,14 +130,15 @@ double CopyBandwidth(Timer& tm) {
 }
 
 // Attention over `budget` tokens of random slots in a 4 GiB pool.
-void BenchAttend(Timer& tm, int reps) {
+void BenchAttend(Timer& tm, int reps, const std::string& only_geo = {}, const std::vector<int>& batches = {1, 16}) {
   const size_t slot_bytes = size_t(2) * S * D * 2;
   const size_t slots = (4ull << 30) / slot_bytes;
   Dev pool(slots * slot_bytes);
   FillHalf<<<4096, 256>>>(pool.as<__half>(), pool.bytes / 2, 2);
   for (const Geo& g : kGeos)
-    for (int batch : {1, 16})
+    for (int batch : batches)
       for (int budget : {512, 1024, 2048, 4096}) {
+        if (!only_geo.empty() && only_geo != g.name) continue;
         const int rows = batch * g.kv_heads, per_row = budget / S;
         Dev q(size_t(rows) * g.group * D * 2), o(size_t(rows) * g.group * D * 2);
         FillHalf<<<64, 256>>>(q.as<__half>(), q.bytes / 2, 3);
@@ -363,14 +365,15 @@ template <typename T> std::vector<T> CommaList(char* arg) {
 int main(int argc, char** argv) {
   const char* json = "gpu_kernels_bench.json";
   int reps = 20;
-  bool select_only = false;
+  bool select_only = false, attend_only = false;
   std::vector<long long> select_contexts = {8192, 32768, 131072};
   std::string select_geo;  // empty: every geometry
   std::vector<int> select_batches = {1, 16};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--select-only")) select_only = true;
+    else if (!std::strcmp(argv[i], "--attend-only")) attend_only = true;
     else if (!std::strcmp(argv[i], "--contexts") && i + 1 < argc) select_contexts = CommaList<long long>(argv[++i]);
-    else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // --select-only's
+    else if (!std::strcmp(argv[i], "--geometry") && i + 1 < argc) select_geo = argv[++i];  // the -only modes
     else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) select_batches = CommaList<int>(argv[++i]);
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
@@ -399,6 +402,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double copy = CopyBandwidth(tm);
+  if (attend_only) {
+    BenchAttend(tm, reps, select_geo, select_batches);
+    for (const auto& l : g_table) std::printf("%s\n", l.c_str());
+    std::fclose(g_json);
+    return 0;
+  }
   BenchAttend(tm, reps);
   BenchSteps(tm, reps);
   std::printf("\n== questkv GPU kernels (fp16 K/V, D=128, S=16, budget 2048 in steps; medians, cold L2) ==\n");
