@@ -187,14 +187,25 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
       for (int e = 0; e < kVec; ++e) q[g][v * kVec + e] = f[e] * qs;
     }
 
-  float m[G], d[G], o[G][kE];
+  // The lane's o for all G heads; its softmax state (m, d) for one head, gw:
+  // the G dot products of a row are reduced across its kTx lanes by halving
+  // exchanges (each lane sends half its partial sums to its partner and keeps
+  // the other half), so after log2 G of them each lane holds one head's sum,
+  // then by butterflies over the kTx / G lanes sharing that head. Against a
+  // butterfly per head (G log2 kTx shuffles a row, and every lane's max and
+  // exp2 for all G heads), G = 4, kTx = 16: 5 shuffles a row, not 16, and a
+  // quarter of the exp2s; the probabilities and rescales every lane's o needs
+  // come back from the head's lanes by G (kR + 1) shuffles an item.
+  static_assert(G <= kTx, "a row's lanes hold at least one head each");
+  constexpr int kSpan = kTx / G;  // lanes of a row holding one head's sum: head gw = tx / kSpan
+  const int row_lane0 = lane & ~(kTx - 1);  // the first lane of this lane's row group
+  float mw = -INFINITY, dw = 0.f, o[G][kE];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    d[g] = 0.f;
+  for (int g = 0; g < G; ++g)
 #pragma unroll
     for (int e = 0; e < kE; ++e) o[g][e] = 0.f;
-  }
+  // Head g's value v from its lanes in this row group.
+  auto from_head = [&](float v, int g) { return G == 1 ? v : __shfl_sync(0xFFFFFFFFu, v, row_lane0 + g * kSpan); };
 
   const T* pool = static_cast<const T*>(p.slots);
   const int items = e1 > e0 ? (e1 - e0) * Tr::kBlocksPerPage : 0;
@@ -236,37 +247,54 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
           *reinterpret_cast<uint4*>(fill + at(j, v)) = kr[j][v];
           *reinterpret_cast<uint4*>(fill + S * D + at(j, v)) = vr[j][v];
         }
-    float s[kR][G];
+    float sw[kR];  // head gw's base-2 logits of this lane's rows (-inf past len), then their weights
 #pragma unroll
     for (int j = 0; j < kR; ++j) {
       float kf[kE];
 #pragma unroll
       for (int v = 0; v < kNv; ++v) Unpack16<T>(kr[j][v], kf + v * kVec);
+      float acc[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float acc = 0.f;
+        acc[g] = 0.f;
 #pragma unroll
-        for (int x = 0; x < kE; ++x) acc = fmaf(q[g][x], kf[x], acc);
-#pragma unroll
-        for (int off = kTx / 2; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-        s[j][g] = row_of(j) < len ? acc : -INFINITY;
+        for (int x = 0; x < kE; ++x) acc[g] = fmaf(q[g][x], kf[x], acc[g]);
       }
+      // Halving exchanges: the upper lane of each pair keeps the upper half of the heads.
+#pragma unroll
+      for (int level = 0; (G >> level) > 1; ++level) {
+        const int off = kTx >> (level + 1), half = G >> (level + 1);
+        const bool upper = (lane & off) != 0;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+          const float send = upper ? acc[i] : acc[i + half];
+          const float keep = upper ? acc[i + half] : acc[i];
+          acc[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, off);
+        }
+      }
+#pragma unroll
+      for (int off = kSpan / 2; off >= 1; off >>= 1) acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], off);
+      sw[j] = row_of(j) < len ? acc[0] : -INFINITY;
+    }
+    float mx = sw[0];
+#pragma unroll
+    for (int j = 1; j < kR; ++j) mx = fmaxf(mx, sw[j]);
+#pragma unroll
+    for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+    const float m_new = fmaxf(mw, mx);  // finite: row r0 < len always
+    const float alpha = exp2f(mw - m_new);
+    mw = m_new;
+    dw *= alpha;
+#pragma unroll
+    for (int j = 0; j < kR; ++j) {
+      sw[j] = exp2f(sw[j] - m_new);
+      dw += sw[j];
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float mx = s[0][g];
+      const float a = from_head(alpha, g);
 #pragma unroll
-      for (int j = 1; j < kR; ++j) mx = fmaxf(mx, s[j][g]);
-#pragma unroll
-      for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
-      const float m_new = fmaxf(m[g], mx);  // finite: row r0 < len always
-      const float alpha = exp2f(m[g] - m_new);
-      m[g] = m_new;
-      d[g] *= alpha;
-#pragma unroll
-      for (int x = 0; x < kE; ++x) o[g][x] *= alpha;
-#pragma unroll
-      for (int j = 0; j < kR; ++j) s[j][g] = exp2f(s[j][g] - m_new);
+      for (int x = 0; x < kE; ++x) o[g][x] *= a;
     }
 #pragma unroll
     for (int j = 0; j < kR; ++j) {
@@ -275,13 +303,17 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
       for (int v = 0; v < kNv; ++v) Unpack16<T>(vr[j][v], vf + v * kVec);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        d[g] += s[j][g];
+        const float pj = from_head(sw[j], g);
 #pragma unroll
-        for (int x = 0; x < kE; ++x) o[g][x] = fmaf(s[j][g], vf[x], o[g][x]);
+        for (int x = 0; x < kE; ++x) o[g][x] = fmaf(pj, vf[x], o[g][x]);
       }
     }
   }
 
+  // Every head's (m, d) to every lane: m is the warp's, d this row group's.
+  float m[G], d[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) m[g] = from_head(mw, g), d[g] = from_head(dw, g);
   // Row groups of the warp share m; add their d and o.
 #pragma unroll
   for (int g = 0; g < G; ++g) {
