@@ -282,7 +282,8 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
 #pragma unroll
     for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
     const float m_new = fmaxf(mw, mx);  // finite: row r0 < len always
-    const float alpha = exp2f(mw - m_new);
+    const bool moved = m_new != mw;
+    const float alpha = moved ? exp2f(mw - m_new) : 1.f;
     mw = m_new;
     dw *= alpha;
 #pragma unroll
@@ -290,12 +291,15 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
       sw[j] = exp2f(sw[j] - m_new);
       dw += sw[j];
     }
+    // o rescaled only when some head's max moved (alpha is 1 otherwise): past
+    // a row's first items, most items leave every max where it was.
+    if (__any_sync(0xFFFFFFFFu, moved))
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float a = from_head(alpha, g);
+      for (int g = 0; g < G; ++g) {
+        const float a = from_head(alpha, g);
 #pragma unroll
-      for (int x = 0; x < kE; ++x) o[g][x] *= a;
-    }
+        for (int x = 0; x < kE; ++x) o[g][x] *= a;
+      }
 #pragma unroll
     for (int j = 0; j < kR; ++j) {
       float vf[kE];
