@@ -13,7 +13,9 @@
 // the whole attention is one launch. An entry the resolve left to fetch
 // (AttendParams::fills) is read from its host home by the same loads and
 // stored into its slot by the warp that read it: its PCIe round trips
-// overlap the other warps' reads from HBM.
+// overlap the other warps' reads from HBM. 16-bit K/V with G = 8 and
+// D <= 128 take the tensor-core path (AttendWarpMma: the same loads, the
+// dot products and the weighted sum by mma); the rest take the CUDA cores.
 #pragma once
 
 #include <cfloat>
@@ -145,6 +147,189 @@ __device__ void MergeRow(const PartialView& part, int row, int splits, float* w,
   }
 }
 
+// Where entry `id` of a row is read from: its slot in the pool ([K][V], S x D
+// each), or (~id, a head-page the resolve left to fetch) its host home, with
+// the slot it is stored to (null: read only).
+template <typename T>
+struct EntryBytes {
+  const T* k;
+  const T* v;
+  T* fill;
+};
+template <typename T, int D, int S>
+__device__ __forceinline__ EntryBytes<T> EntryOf(const AttendParams& p, int32_t id) {
+  if (id >= 0) {
+    const T* k = static_cast<const T*>(p.slots) + std::size_t(id) * 2 * S * D;
+    return {k, k + S * D, nullptr};
+  }
+  const GatherJob job = p.fills[~id];
+  return {static_cast<const T*>(job.k), static_cast<const T*>(job.v), static_cast<T*>(job.dst)};
+}
+
+// ---- the tensor-core path: 16-bit K/V, groups of 8, D <= 128 -------------
+// A warp takes 8 tokens of a head-page at a time. Lane (g, t) = (lane / 4,
+// lane % 4) loads row g's 16-byte pieces i at element i * 32 + t * 8, of K
+// and of V, as the CUDA-core path loads its pieces (fills and tails alike).
+// S = Q Kᵀ by m16n8k16 mma (A: the G queries in rows 0..G-1, zero below;
+// B: those K pieces as they are, since a dot product may sum its dimensions
+// in any order and Q is loaded in the same order); its C fragment leaves
+// lane (g, t) query g's logits of tokens 2t and 2t + 1. O^T += V^T P^T by
+// m16n8k8 mma: P^T's B fragment is those two weights, rounded to T; V^T's A
+// fragments are V's pieces transposed 8 x 8 by movmatrix, which puts
+// dimension d(i, j, g) = i * 32 + (g / 2) * 8 + 2j + g % 2 in row g of the
+// transpose of register j of piece i. O^T's C fragments leave lane (g, t)
+// the o of queries 2t, 2t + 1 at two of those dimensions per 16-row tile.
+template <typename T>
+__device__ __forceinline__ void MmaS(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t z = 0;
+  if constexpr (std::is_same_v<T, __half>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void MmaO(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>)
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+  else
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+#endif
+}
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
+  uint32_t y = x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+#endif
+  return y;
+}
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+__device__ __forceinline__ uint32_t Word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// On for groups of 8 only (H200, same call against the CUDA cores,
+// Llama-3-70B's 8 x 8 heads at batch 16: 182.0 -> 98.6 us at a 4096-token
+// budget, 107.5 -> 60.3 at 2048). The same code ran Llama-3-8B's groups of
+// 4 at 116.4 and 68.8 us against 84.9 and 50.8 on the CUDA cores: not
+// understood yet (bench/results/2026-12-03-gpu-session-18.md).
+template <typename T, int D, int S, int G>
+struct AttendMma {
+  static constexpr bool kOn = sizeof(T) == 2 && G == 8 && D <= 128;
+};
+
+// One warp's share of a block's entries by the tensor-core path, into its
+// row of sh_o, sh_m and sh_d (base-2 m).
+template <typename T, int D, int S, int G>
+__device__ __forceinline__ void AttendWarpMma(const AttendParams& p, int row, int base, int count, int e0, int e1,
+                                              int last_len, int warp, float (*sh_o)[G][D], float (*sh_m)[G],
+                                              float (*sh_d)[G]) {
+  constexpr int kI = D / 32;          // 16-byte pieces of a row a lane holds
+  constexpr int kTiles = D / 16;      // O^T's 16-row tiles
+  constexpr int kPerPage = S / 8;     // 8-token items a page
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  // Q's A fragments: query g's pieces (zero past G).
+  uint4 qa[kI];
+  const T* q_row = static_cast<const T*>(p.q) + (std::size_t(row) * G + g) * D + t * 8;
+#pragma unroll
+  for (int i = 0; i < kI; ++i) qa[i] = g < G ? Load16(q_row + i * 32) : make_uint4(0, 0, 0, 0);
+  const float qs = p.scale * kLog2e;
+  float mg = -INFINITY, dg = 0.f;  // query g's state; dg over this lane's tokens
+  float o[kTiles][4];
+#pragma unroll
+  for (int x = 0; x < kTiles; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+  const int items = e1 > e0 ? (e1 - e0) * kPerPage : 0;
+  for (int it = warp; it < items; it += kAttendWarps) {
+    const int e = e0 + it / kPerPage;
+    const int r0 = (it % kPerPage) * 8;
+    const int len = e == count - 1 ? last_len : S;
+    if (r0 >= len) continue;  // a short tail page: nothing in these 8 rows
+    const auto [k_base, v_base, fill] = EntryOf<T, D, S>(p, p.slot_ids[base + e]);
+    const bool in = r0 + g < len;
+    const int at = (r0 + g) * D + t * 8;
+    uint4 kr[kI], vr[kI];
+#pragma unroll
+    for (int i = 0; i < kI; ++i) {
+      kr[i] = in ? Load16(k_base + at + i * 32) : make_uint4(0, 0, 0, 0);
+      vr[i] = in ? Load16(v_base + at + i * 32) : make_uint4(0, 0, 0, 0);
+    }
+    if (fill)  // a sealed page: every row was read; stored after all loads are issued
+#pragma unroll
+      for (int i = 0; i < kI; ++i) {
+        *reinterpret_cast<uint4*>(fill + at + i * 32) = kr[i];
+        *reinterpret_cast<uint4*>(fill + S * D + at + i * 32) = vr[i];
+      }
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kI; ++i) {
+      MmaS<T>(c, qa[i].x, qa[i].y, kr[i].x, kr[i].y);
+      MmaS<T>(c, qa[i].z, qa[i].w, kr[i].z, kr[i].w);
+    }
+    // Query g, tokens r0 + 2t and r0 + 2t + 1.
+    const float s0 = r0 + 2 * t < len ? c[0] * qs : -INFINITY;
+    const float s1 = r0 + 2 * t + 1 < len ? c[1] * qs : -INFINITY;
+    float mx = fmaxf(s0, s1);
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+    const float m_new = fmaxf(mg, mx);  // finite: row r0 < len
+    const bool moved = m_new != mg;
+    const float alpha = moved ? exp2f(mg - m_new) : 1.f;
+    mg = m_new;
+    const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+    dg = dg * alpha + p0 + p1;
+    if (__any_sync(0xFFFFFFFFu, moved)) {
+      // O^T's columns are queries 2t and 2t + 1: their alphas from lanes 8t and 8t + 4.
+      const float a_lo = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t);
+      const float a_hi = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t + 4);
+#pragma unroll
+      for (int x = 0; x < kTiles; ++x) o[x][0] *= a_lo, o[x][1] *= a_hi, o[x][2] *= a_lo, o[x][3] *= a_hi;
+    }
+    const uint32_t pb = PackPair<T>(p0, p1);
+#pragma unroll
+    for (int i = 0; i < kI; ++i)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+        MmaO<T>(o[i * 2 + jp], Transpose8x8(Word(vr[i], 2 * jp)), Transpose8x8(Word(vr[i], 2 * jp + 1)), pb);
+  }
+  // dg over the row's 8 tokens: add the 4 lanes of query g.
+  dg += __shfl_xor_sync(0xFFFFFFFFu, dg, 1);
+  dg += __shfl_xor_sync(0xFFFFFFFFu, dg, 2);
+  if (t == 0 && g < G) sh_m[warp][g] = mg, sh_d[warp][g] = dg;
+  // o[i * 2 + jp]: rows d(i, 2jp, g) (0, 1) and d(i, 2jp + 1, g) (2, 3); columns 2t, 2t + 1.
+  if (2 * t < G)
+#pragma unroll
+    for (int i = 0; i < kI; ++i)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        const int d_lo = i * 32 + (g >> 1) * 8 + 4 * jp + (g & 1), d_hi = d_lo + 2;
+        const float* c = o[i * 2 + jp];
+        sh_o[warp][2 * t][d_lo] = c[0], sh_o[warp][2 * t + 1][d_lo] = c[1];
+        sh_o[warp][2 * t][d_hi] = c[2], sh_o[warp][2 * t + 1][d_hi] = c[3];
+      }
+}
+
 // Most splits a plan may have: the merge's m, d and weights reuse sh_o
 // (kAttendWarps * G * D floats; 2 * G * splits needed, D >= 64).
 inline constexpr int kMaxSplits = kAttendWarps * 32;
@@ -163,9 +348,6 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
   const int row = blockIdx.x;
   const int split = blockIdx.y;
   const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int tx = lane % kTx;
-  const int ty = lane / kTx;
 
   const int base = p.indptr[row];
   const int count = p.count ? p.count[row] : p.indptr[row + 1] - base;
@@ -173,174 +355,168 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
   const int e1 = min(count, e0 + pps);
   const int last_len = p.last_len ? p.last_len[row / kv_heads] : S;
 
-  // Queries, pre-scaled so logits come out in base 2.
-  float q[G][kE];
-  const T* q_row = static_cast<const T*>(p.q) + std::size_t(row) * G * D;
-  const float qs = p.scale * kLog2e;
+  if constexpr (AttendMma<T, D, S, G>::kOn) {
+    AttendWarpMma<T, D, S, G>(p, row, base, count, e0, e1, last_len, warp, sh_o, sh_m, sh_d);
+  } else {
+    const int lane = threadIdx.x & 31;
+    const int tx = lane % kTx;
+    const int ty = lane / kTx;
+    // Queries, pre-scaled so logits come out in base 2.
+    float q[G][kE];
+    const T* q_row = static_cast<const T*>(p.q) + std::size_t(row) * G * D;
+    const float qs = p.scale * kLog2e;
 #pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int v = 0; v < kNv; ++v) {
-      float f[kVec];
-      Unpack16<T>(Load16(q_row + g * D + (v * kTx + tx) * kVec), f);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) q[g][v * kVec + e] = f[e] * qs;
-    }
-
-  // The lane's o for all G heads; its softmax state (m, d) for one head, gw:
-  // the G dot products of a row are reduced across its kTx lanes by halving
-  // exchanges (each lane sends half its partial sums to its partner and keeps
-  // the other half), so after log2 G of them each lane holds one head's sum,
-  // then by butterflies over the kTx / G lanes sharing that head. Against a
-  // butterfly per head (G log2 kTx shuffles a row, and every lane's max and
-  // exp2 for all G heads), G = 4, kTx = 16: 5 shuffles a row, not 16, and a
-  // quarter of the exp2s; the probabilities and rescales every lane's o needs
-  // come back from the head's lanes by G (kR + 1) shuffles an item.
-  static_assert(G <= kTx, "a row's lanes hold at least one head each");
-  constexpr int kSpan = kTx / G;  // lanes of a row holding one head's sum: head gw = tx / kSpan
-  const int row_lane0 = lane & ~(kTx - 1);  // the first lane of this lane's row group
-  float mw = -INFINITY, dw = 0.f, o[G][kE];
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int e = 0; e < kE; ++e) o[g][e] = 0.f;
-  // Head g's value v from its lanes in this row group.
-  auto from_head = [&](float v, int g) { return G == 1 ? v : __shfl_sync(0xFFFFFFFFu, v, row_lane0 + g * kSpan); };
-
-  const T* pool = static_cast<const T*>(p.slots);
-  const int items = e1 > e0 ? (e1 - e0) * Tr::kBlocksPerPage : 0;
-  for (int it = warp; it < items; it += kAttendWarps) {
-    const int e = e0 + it / Tr::kBlocksPerPage;
-    const int r0 = (it % Tr::kBlocksPerPage) * Tr::kRows;
-    const int len = e == count - 1 ? last_len : S;
-    if (r0 >= len) continue;  // a short tail page: nothing in this row block
-    const int32_t id = p.slot_ids[base + e];
-    const T* k_base;
-    const T* v_base;
-    T* fill = nullptr;  // the slot a fetched head-page goes to ([K][V]), if any
-    if (id >= 0) {
-      k_base = pool + std::size_t(id) * 2 * S * D;
-      v_base = k_base + S * D;
-    } else {
-      const GatherJob job = p.fills[~id];
-      k_base = static_cast<const T*>(job.k);
-      v_base = static_cast<const T*>(job.v);
-      fill = static_cast<T*>(job.dst);
-    }
-    // This lane's load j, v: row r0 + j * kTy + ty, columns from (v * kTx + tx) * kVec.
-    auto row_of = [&](int j) { return r0 + j * kTy + ty; };
-    auto at = [&](int j, int v) { return row_of(j) * D + (v * kTx + tx) * kVec; };
-    uint4 kr[kR][kNv], vr[kR][kNv];
-#pragma unroll
-    for (int j = 0; j < kR; ++j)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
       for (int v = 0; v < kNv; ++v) {
-        const bool in = row_of(j) < len;
-        kr[j][v] = in ? Load16(k_base + at(j, v)) : make_uint4(0, 0, 0, 0);
-        vr[j][v] = in ? Load16(v_base + at(j, v)) : make_uint4(0, 0, 0, 0);
+        float f[kVec];
+        Unpack16<T>(Load16(q_row + g * D + (v * kTx + tx) * kVec), f);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) q[g][v * kVec + e] = f[e] * qs;
       }
-    if (fill)  // a sealed page: len == S, every row of the block was read; stored after all loads are issued
+
+    // The lane's o for all G heads; its softmax state (m, d) for one head, gw:
+    // the G dot products of a row are reduced across its kTx lanes by halving
+    // exchanges (each lane sends half its partial sums to its partner and keeps
+    // the other half), so after log2 G of them each lane holds one head's sum,
+    // then by butterflies over the kTx / G lanes sharing that head. Against a
+    // butterfly per head (G log2 kTx shuffles a row, and every lane's max and
+    // exp2 for all G heads), G = 4, kTx = 16: 5 shuffles a row, not 16, and a
+    // quarter of the exp2s; the probabilities and rescales every lane's o needs
+    // come back from the head's lanes by G (kR + 1) shuffles an item.
+    static_assert(G <= kTx, "a row's lanes hold at least one head each");
+    constexpr int kSpan = kTx / G;  // lanes of a row holding one head's sum: head gw = tx / kSpan
+    const int row_lane0 = lane & ~(kTx - 1);  // the first lane of this lane's row group
+    float mw = -INFINITY, dw = 0.f, o[G][kE];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < kE; ++e) o[g][e] = 0.f;
+    // Head g's value v from its lanes in this row group.
+    auto from_head = [&](float v, int g) { return G == 1 ? v : __shfl_sync(0xFFFFFFFFu, v, row_lane0 + g * kSpan); };
+
+    const int items = e1 > e0 ? (e1 - e0) * Tr::kBlocksPerPage : 0;
+    for (int it = warp; it < items; it += kAttendWarps) {
+      const int e = e0 + it / Tr::kBlocksPerPage;
+      const int r0 = (it % Tr::kBlocksPerPage) * Tr::kRows;
+      const int len = e == count - 1 ? last_len : S;
+      if (r0 >= len) continue;  // a short tail page: nothing in this row block
+      const auto [k_base, v_base, fill] = EntryOf<T, D, S>(p, p.slot_ids[base + e]);
+      // This lane's load j, v: row r0 + j * kTy + ty, columns from (v * kTx + tx) * kVec.
+      auto row_of = [&](int j) { return r0 + j * kTy + ty; };
+      auto at = [&](int j, int v) { return row_of(j) * D + (v * kTx + tx) * kVec; };
+      uint4 kr[kR][kNv], vr[kR][kNv];
 #pragma unroll
       for (int j = 0; j < kR; ++j)
 #pragma unroll
         for (int v = 0; v < kNv; ++v) {
-          *reinterpret_cast<uint4*>(fill + at(j, v)) = kr[j][v];
-          *reinterpret_cast<uint4*>(fill + S * D + at(j, v)) = vr[j][v];
+          const bool in = row_of(j) < len;
+          kr[j][v] = in ? Load16(k_base + at(j, v)) : make_uint4(0, 0, 0, 0);
+          vr[j][v] = in ? Load16(v_base + at(j, v)) : make_uint4(0, 0, 0, 0);
         }
-    float sw[kR];  // head gw's base-2 logits of this lane's rows (-inf past len), then their weights
+      if (fill)  // a sealed page: len == S, every row of the block was read; stored after all loads are issued
 #pragma unroll
-    for (int j = 0; j < kR; ++j) {
-      float kf[kE];
+        for (int j = 0; j < kR; ++j)
 #pragma unroll
-      for (int v = 0; v < kNv; ++v) Unpack16<T>(kr[j][v], kf + v * kVec);
-      float acc[G];
+          for (int v = 0; v < kNv; ++v) {
+            *reinterpret_cast<uint4*>(fill + at(j, v)) = kr[j][v];
+            *reinterpret_cast<uint4*>(fill + S * D + at(j, v)) = vr[j][v];
+          }
+      float sw[kR];  // head gw's base-2 logits of this lane's rows (-inf past len), then their weights
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        acc[g] = 0.f;
+      for (int j = 0; j < kR; ++j) {
+        float kf[kE];
 #pragma unroll
-        for (int x = 0; x < kE; ++x) acc[g] = fmaf(q[g][x], kf[x], acc[g]);
+        for (int v = 0; v < kNv; ++v) Unpack16<T>(kr[j][v], kf + v * kVec);
+        float acc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          acc[g] = 0.f;
+#pragma unroll
+          for (int x = 0; x < kE; ++x) acc[g] = fmaf(q[g][x], kf[x], acc[g]);
+        }
+        // Halving exchanges: the upper lane of each pair keeps the upper half of the heads.
+#pragma unroll
+        for (int level = 0; (G >> level) > 1; ++level) {
+          const int off = kTx >> (level + 1), half = G >> (level + 1);
+          const bool upper = (lane & off) != 0;
+#pragma unroll
+          for (int i = 0; i < half; ++i) {
+            const float send = upper ? acc[i] : acc[i + half];
+            const float keep = upper ? acc[i + half] : acc[i];
+            acc[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, off);
+          }
+        }
+#pragma unroll
+        for (int off = kSpan / 2; off >= 1; off >>= 1) acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], off);
+        sw[j] = row_of(j) < len ? acc[0] : -INFINITY;
       }
-      // Halving exchanges: the upper lane of each pair keeps the upper half of the heads.
+      float mx = sw[0];
 #pragma unroll
-      for (int level = 0; (G >> level) > 1; ++level) {
-        const int off = kTx >> (level + 1), half = G >> (level + 1);
-        const bool upper = (lane & off) != 0;
+      for (int j = 1; j < kR; ++j) mx = fmaxf(mx, sw[j]);
 #pragma unroll
-        for (int i = 0; i < half; ++i) {
-          const float send = upper ? acc[i] : acc[i + half];
-          const float keep = upper ? acc[i + half] : acc[i];
-          acc[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, off);
+      for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
+      const float m_new = fmaxf(mw, mx);  // finite: row r0 < len always
+      const bool moved = m_new != mw;
+      const float alpha = moved ? exp2f(mw - m_new) : 1.f;
+      mw = m_new;
+      dw *= alpha;
+#pragma unroll
+      for (int j = 0; j < kR; ++j) {
+        sw[j] = exp2f(sw[j] - m_new);
+        dw += sw[j];
+      }
+      // o rescaled only when some head's max moved (alpha is 1 otherwise): past
+      // a row's first items, most items leave every max where it was.
+      if (__any_sync(0xFFFFFFFFu, moved))
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float a = from_head(alpha, g);
+#pragma unroll
+          for (int x = 0; x < kE; ++x) o[g][x] *= a;
+        }
+#pragma unroll
+      for (int j = 0; j < kR; ++j) {
+        float vf[kE];
+#pragma unroll
+        for (int v = 0; v < kNv; ++v) Unpack16<T>(vr[j][v], vf + v * kVec);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float pj = from_head(sw[j], g);
+#pragma unroll
+          for (int x = 0; x < kE; ++x) o[g][x] = fmaf(pj, vf[x], o[g][x]);
         }
       }
-#pragma unroll
-      for (int off = kSpan / 2; off >= 1; off >>= 1) acc[0] += __shfl_xor_sync(0xFFFFFFFFu, acc[0], off);
-      sw[j] = row_of(j) < len ? acc[0] : -INFINITY;
     }
-    float mx = sw[0];
-#pragma unroll
-    for (int j = 1; j < kR; ++j) mx = fmaxf(mx, sw[j]);
-#pragma unroll
-    for (int off = kTx; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, off));
-    const float m_new = fmaxf(mw, mx);  // finite: row r0 < len always
-    const bool moved = m_new != mw;
-    const float alpha = moved ? exp2f(mw - m_new) : 1.f;
-    mw = m_new;
-    dw *= alpha;
-#pragma unroll
-    for (int j = 0; j < kR; ++j) {
-      sw[j] = exp2f(sw[j] - m_new);
-      dw += sw[j];
-    }
-    // o rescaled only when some head's max moved (alpha is 1 otherwise): past
-    // a row's first items, most items leave every max where it was.
-    if (__any_sync(0xFFFFFFFFu, moved))
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float a = from_head(alpha, g);
-#pragma unroll
-        for (int x = 0; x < kE; ++x) o[g][x] *= a;
-      }
-#pragma unroll
-    for (int j = 0; j < kR; ++j) {
-      float vf[kE];
-#pragma unroll
-      for (int v = 0; v < kNv; ++v) Unpack16<T>(vr[j][v], vf + v * kVec);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pj = from_head(sw[j], g);
-#pragma unroll
-        for (int x = 0; x < kE; ++x) o[g][x] = fmaf(pj, vf[x], o[g][x]);
-      }
-    }
-  }
 
-  // Every head's (m, d) to every lane: m is the warp's, d this row group's.
-  float m[G], d[G];
+    // Every head's (m, d) to every lane: m is the warp's, d this row group's.
+    float m[G], d[G];
 #pragma unroll
-  for (int g = 0; g < G; ++g) m[g] = from_head(mw, g), d[g] = from_head(dw, g);
-  // Row groups of the warp share m; add their d and o.
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int off = kTx; off < 32; off <<= 1) {
-      d[g] += __shfl_xor_sync(0xFFFFFFFFu, d[g], off);
-#pragma unroll
-      for (int x = 0; x < kE; ++x) o[g][x] += __shfl_xor_sync(0xFFFFFFFFu, o[g][x], off);
-    }
-  }
-  if (ty == 0) {
+    for (int g = 0; g < G; ++g) m[g] = from_head(mw, g), d[g] = from_head(dw, g);
+    // Row groups of the warp share m; add their d and o.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
-      for (int v = 0; v < kNv; ++v)
+      for (int off = kTx; off < 32; off <<= 1) {
+        d[g] += __shfl_xor_sync(0xFFFFFFFFu, d[g], off);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) sh_o[warp][g][(v * kTx + tx) * kVec + e] = o[g][v * kVec + e];
-      if (tx == 0) {
-        sh_m[warp][g] = m[g];
-        sh_d[warp][g] = d[g];
+        for (int x = 0; x < kE; ++x) o[g][x] += __shfl_xor_sync(0xFFFFFFFFu, o[g][x], off);
       }
     }
-  }
+    if (ty == 0) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int v = 0; v < kNv; ++v)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sh_o[warp][g][(v * kTx + tx) * kVec + e] = o[g][v * kVec + e];
+        if (tx == 0) {
+          sh_m[warp][g] = m[g];
+          sh_d[warp][g] = d[g];
+        }
+      }
+    }
+  }  // the CUDA-core path
   __syncthreads();
 
   // Merge the warps: one thread per (g, column).
