@@ -245,7 +245,9 @@ INSTANTIATE_TEST_SUITE_P(
                       AttendCase{BF16, 7, 2, 1, 128, 64}, AttendCase{BF16, 23, 1, 2, 128, 16},
                       AttendCase{F16, 3, 2, 4, 128, 32}, AttendCase{F32, 3, 2, 1, 256, 64},
                       // Llama-3-8B's shape in bf16 over a ragged batch of 23; G 8, D 64, S 64.
-                      AttendCase{BF16, 23, 2, 4, 128, 16}, AttendCase{F16, 7, 1, 8, 64, 64}));
+                      AttendCase{BF16, 23, 2, 4, 128, 16}, AttendCase{F16, 7, 1, 8, 64, 64},
+                      // Llama-3-70B's group of 8 at D 128, S 16 (the tensor-core path), bf16.
+                      AttendCase{BF16, 9, 8, 8, 128, 16}));
 
 TEST(AttendPlanTest, RejectsUnsupportedSizesWithAMessage) {
   AttendShape s;
