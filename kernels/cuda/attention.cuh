@@ -193,6 +193,8 @@ __device__ __forceinline__ void MmaS(float (&c)[4], uint32_t a0, uint32_t a2, ui
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no mma below sm_80: never a silent wrong answer
 #endif
 }
 template <typename T>
@@ -206,12 +208,16 @@ __device__ __forceinline__ void MmaO(float (&c)[4], uint32_t a0, uint32_t a1, ui
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(b0));
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
   uint32_t y = x;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
   return y;
 }
