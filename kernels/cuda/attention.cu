@@ -1,7 +1,9 @@
 // Plan/run of the sparse decode attention (one launch; the split merge runs
 // in each row's last block, see attention.cuh).
 #include <algorithm>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/dispatch.cuh"
@@ -12,6 +14,40 @@ namespace {
 bool Supported(int v, std::initializer_list<int> ok) { return std::find(ok.begin(), ok.end(), v) != ok.end(); }
 
 }  // namespace
+
+// At most four: the splits were tuned for four, and kernels of fewer
+// registers would otherwise get more, shorter splits than measured. Cached:
+// the runtime plans every layer's call.
+int AttendBlocksPerSm(const AttendShape& s) {
+  constexpr int kMaxBlocksPerSm = 4;
+  struct Entry {
+    int device, dtype, head_dim, page_size, group, blocks;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kMaxBlocksPerSm;
+  }
+  const Entry key{device, int(s.dtype), s.head_dim, s.page_size, s.group, 0};
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& c : cache)
+    if (c.device == key.device && c.dtype == key.dtype && c.head_dim == key.head_dim &&
+        c.page_size == key.page_size && c.group == key.group)
+      return c.blocks;
+  int blocks = 0;
+  const cudaError_t e = [&]() -> cudaError_t {
+    QKV_DISPATCH_DTYPE(s.dtype, T, { return AttendBlocksPerSmTyped<T>(s, &blocks); })
+    return cudaSuccess;
+  }();
+  if (e != cudaSuccess || blocks < 1) {
+    (void)cudaGetLastError();
+    return kMaxBlocksPerSm;  // not cached: a later call may find the device
+  }
+  cache.push_back({key.device, key.dtype, key.head_dim, key.page_size, key.group, std::min(blocks, kMaxBlocksPerSm)});
+  return cache.back().blocks;
+}
 
 bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* plan, std::string* error) {
   auto fail = [&](std::string m) {
@@ -29,7 +65,8 @@ bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* pl
   if (max_pages < 0) return fail("max_pages = " + std::to_string(max_pages));
   plan->shape = s;
   plan->max_pages = max_pages;
-  // About four blocks per multiprocessor; a row is split only when the rows
+  // As many blocks a multiprocessor as the kernel fits, four at most
+  // (AttendBlocksPerSm); a row is split only when the rows
   // alone cannot fill the chip, into as many splits as still fit in that one
   // wave (rounding up spilled a second, short wave: Llama-3-8B at batch 16,
   // 128 rows x 5 splits, took 68 us against 52 with 4 splits on the H200), but
@@ -41,7 +78,7 @@ bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* pl
   // 14.0 us, 16 splits 15.1, 64 splits 15.3; with 8 pages a split, the former
   // floor, budgets up to 1024 got 4-8 splits and ran 10-25% slower).
   constexpr int kMinPagesPerSplit = 4;
-  const long long target = 4LL * std::max(1, num_sms);
+  const long long target = (long long)AttendBlocksPerSm(s) * std::max(1, num_sms);
   int splits = s.rows >= target ? 1 : int(std::max<long long>(2, target / s.rows));
   splits = std::max(1, std::min({splits, std::max(1, max_pages), kMaxSplits}));
   int pps = std::max(1, (max_pages + splits - 1) / splits);

@@ -14,8 +14,9 @@
 // (AttendParams::fills) is read from its host home by the same loads and
 // stored into its slot by the warp that read it: its PCIe round trips
 // overlap the other warps' reads from HBM. 16-bit K/V with G = 8 and
-// D <= 128 take the tensor-core path (AttendWarpMma: the same loads, the
-// dot products and the weighted sum by mma); the rest take the CUDA cores.
+// D <= 128 take the tensor-core path (AttendWarpMma: the same loads, issued
+// an item ahead; the dot products and the weighted sum by mma); the rest
+// take the CUDA cores.
 #pragma once
 
 #include <cfloat>
@@ -235,11 +236,12 @@ __device__ __forceinline__ uint32_t Word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// On for groups of 8 only (H200, same call against the CUDA cores,
-// Llama-3-70B's 8 x 8 heads at batch 16: 182.0 -> 98.6 us at a 4096-token
-// budget, 107.5 -> 60.3 at 2048). The same code ran Llama-3-8B's groups of
-// 4 at 116.4 and 68.8 us against 84.9 and 50.8 on the CUDA cores: not
-// understood yet (bench/results/2026-12-03-gpu-session-18.md).
+// On for groups of 8 only. H200, batch 16, budgets 512-4096, against the
+// CUDA cores in the same call: Llama-3-70B's 8 x 8 heads 41.5 / 64.4 / 107.5
+// / 182.0 -> 24.9 / 35.9 / 53.4 / 84.0 us (pipelined). Llama-3-8B's groups
+// of 4 on this path ran 23.3 / 32.7 / 51.6 / 82.5 us against 22.0 / 32.0 /
+// 50.7 / 83.4 on the CUDA cores: no gain, and slower at batch 1
+// (bench/results/2026-12-03-gpu-session-19.md).
 template <typename T, int D, int S, int G>
 struct AttendMma {
   static constexpr bool kOn = sizeof(T) == 2 && G == 8 && D <= 128;
@@ -266,58 +268,93 @@ __device__ __forceinline__ void AttendWarpMma(const AttendParams& p, int row, in
   float o[kTiles][4];
 #pragma unroll
   for (int x = 0; x < kTiles; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+  // Software-pipelined by one item: a warp issues item it + kAttendWarps's
+  // loads before its arithmetic on item it, whose loads the previous pass
+  // issued; slot ids come one item further ahead. Without it ptxas spread
+  // an item's 8 loads among the dependent mma chain, and each item waited
+  // out 3 DRAM round trips in turn (ncu, H200: 17 cycles a warp
+  // instruction, two thirds of them on the loads). The second set of K/V
+  // registers takes the kernel from 114 to 162 registers, 3 blocks a
+  // multiprocessor instead of 4, which PlanAttend's one wave accounts for.
   const int items = e1 > e0 ? (e1 - e0) * kPerPage : 0;
-  for (int it = warp; it < items; it += kAttendWarps) {
-    const int e = e0 + it / kPerPage;
-    const int r0 = (it % kPerPage) * 8;
-    const int len = e == count - 1 ? last_len : S;
-    if (r0 >= len) continue;  // a short tail page: nothing in these 8 rows
-    const auto [k_base, v_base, fill] = EntryOf<T, D, S>(p, p.slot_ids[base + e]);
-    const bool in = r0 + g < len;
-    const int at = (r0 + g) * D + t * 8;
-    uint4 kr[kI], vr[kI];
+  struct Item {
+    EntryBytes<T> bytes;
+    int r0, len;  // rows [r0, r0 + 8) of a page of len valid rows; len 0: no item
+  };
+  auto id_of = [&](int it) { return it < items ? p.slot_ids[base + e0 + it / kPerPage] : 0; };
+  auto locate = [&](int it, int32_t id) {
+    Item m{{nullptr, nullptr, nullptr}, 0, 0};
+    if (it < items) {
+      const int e = e0 + it / kPerPage;
+      m.r0 = (it % kPerPage) * 8;
+      m.len = e == count - 1 ? last_len : S;
+      if (m.r0 < m.len) m.bytes = EntryOf<T, D, S>(p, id);  // else a short tail page: nothing in these 8 rows
+    }
+    return m;
+  };
+  const int lane_row = g * D + t * 8;
+  auto load = [&](const Item& m, uint4 (&kr)[kI], uint4 (&vr)[kI]) {
+    const bool in = m.r0 + g < m.len;
+    const int at = m.r0 * D + lane_row;
 #pragma unroll
     for (int i = 0; i < kI; ++i) {
-      kr[i] = in ? Load16(k_base + at + i * 32) : make_uint4(0, 0, 0, 0);
-      vr[i] = in ? Load16(v_base + at + i * 32) : make_uint4(0, 0, 0, 0);
+      kr[i] = in ? Load16(m.bytes.k + at + i * 32) : make_uint4(0, 0, 0, 0);
+      vr[i] = in ? Load16(m.bytes.v + at + i * 32) : make_uint4(0, 0, 0, 0);
     }
-    if (fill)  // a sealed page: every row was read; stored after all loads are issued
+  };
+  uint4 kr[kI], vr[kI];
+  Item cur = locate(warp, id_of(warp));
+  int32_t id_next = id_of(warp + kAttendWarps);
+  load(cur, kr, vr);
+  for (int it = warp; it < items; it += kAttendWarps) {
+    const Item nxt = locate(it + kAttendWarps, id_next);
+    id_next = id_of(it + 2 * kAttendWarps);
+    uint4 nk[kI], nv[kI];
+    load(nxt, nk, nv);
+    const int r0 = cur.r0, len = cur.len;
+    if (T* fill = cur.bytes.fill)  // a sealed page: every row was read
 #pragma unroll
       for (int i = 0; i < kI; ++i) {
-        *reinterpret_cast<uint4*>(fill + at + i * 32) = kr[i];
-        *reinterpret_cast<uint4*>(fill + S * D + at + i * 32) = vr[i];
+        const int at = r0 * D + lane_row + i * 32;
+        *reinterpret_cast<uint4*>(fill + at) = kr[i];
+        *reinterpret_cast<uint4*>(fill + S * D + at) = vr[i];
       }
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r0 < len) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < kI; ++i) {
-      MmaS<T>(c, qa[i].x, qa[i].y, kr[i].x, kr[i].y);
-      MmaS<T>(c, qa[i].z, qa[i].w, kr[i].z, kr[i].w);
+      for (int i = 0; i < kI; ++i) {
+        MmaS<T>(c, qa[i].x, qa[i].y, kr[i].x, kr[i].y);
+        MmaS<T>(c, qa[i].z, qa[i].w, kr[i].z, kr[i].w);
+      }
+      // Query g, tokens r0 + 2t and r0 + 2t + 1.
+      const float s0 = r0 + 2 * t < len ? c[0] * qs : -INFINITY;
+      const float s1 = r0 + 2 * t + 1 < len ? c[1] * qs : -INFINITY;
+      float mx = fmaxf(s0, s1);
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+      const float m_new = fmaxf(mg, mx);  // finite: row r0 < len
+      const bool moved = m_new != mg;
+      const float alpha = moved ? exp2f(mg - m_new) : 1.f;
+      mg = m_new;
+      const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+      dg = dg * alpha + p0 + p1;
+      if (__any_sync(0xFFFFFFFFu, moved)) {
+        // O^T's columns are queries 2t and 2t + 1: their alphas from lanes 8t and 8t + 4.
+        const float a_lo = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t);
+        const float a_hi = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t + 4);
+#pragma unroll
+        for (int x = 0; x < kTiles; ++x) o[x][0] *= a_lo, o[x][1] *= a_hi, o[x][2] *= a_lo, o[x][3] *= a_hi;
+      }
+      const uint32_t pb = PackPair<T>(p0, p1);
+#pragma unroll
+      for (int i = 0; i < kI; ++i)
+#pragma unroll
+        for (int jp = 0; jp < 2; ++jp)
+          MmaO<T>(o[i * 2 + jp], Transpose8x8(Word(vr[i], 2 * jp)), Transpose8x8(Word(vr[i], 2 * jp + 1)), pb);
     }
-    // Query g, tokens r0 + 2t and r0 + 2t + 1.
-    const float s0 = r0 + 2 * t < len ? c[0] * qs : -INFINITY;
-    const float s1 = r0 + 2 * t + 1 < len ? c[1] * qs : -INFINITY;
-    float mx = fmaxf(s0, s1);
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-    const float m_new = fmaxf(mg, mx);  // finite: row r0 < len
-    const bool moved = m_new != mg;
-    const float alpha = moved ? exp2f(mg - m_new) : 1.f;
-    mg = m_new;
-    const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
-    dg = dg * alpha + p0 + p1;
-    if (__any_sync(0xFFFFFFFFu, moved)) {
-      // O^T's columns are queries 2t and 2t + 1: their alphas from lanes 8t and 8t + 4.
-      const float a_lo = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t);
-      const float a_hi = __shfl_sync(0xFFFFFFFFu, alpha, 8 * t + 4);
+    cur = nxt;
 #pragma unroll
-      for (int x = 0; x < kTiles; ++x) o[x][0] *= a_lo, o[x][1] *= a_hi, o[x][2] *= a_lo, o[x][3] *= a_hi;
-    }
-    const uint32_t pb = PackPair<T>(p0, p1);
-#pragma unroll
-    for (int i = 0; i < kI; ++i)
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp)
-        MmaO<T>(o[i * 2 + jp], Transpose8x8(Word(vr[i], 2 * jp)), Transpose8x8(Word(vr[i], 2 * jp + 1)), pb);
+    for (int i = 0; i < kI; ++i) kr[i] = nk[i], vr[i] = nv[i];
   }
   // dg over the row's 8 tokens: add the 4 lanes of query g.
   dg += __shfl_xor_sync(0xFFFFFFFFu, dg, 1);
@@ -591,10 +628,28 @@ cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cud
   return cudaGetLastError();
 }
 
-#define QKV_ATTEND_INSTANCE(T) \
-  template cudaError_t LaunchAttendTyped<T>(const AttendPlan&, const AttendParams&, cudaStream_t)
+// Blocks of the kernel for shape s that fit on one multiprocessor of the
+// current device, into *blocks.
+template <typename T>
+cudaError_t AttendBlocksPerSmTyped(const AttendShape& s, int* blocks) {
+  QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
+    QKV_DISPATCH_PAGE_SIZE(s.page_size, S, {
+      QKV_DISPATCH_GROUP(s.group, G, {
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, AttendKernel<T, D, S, G>, kAttendWarps * 32, 0);
+      })
+    })
+  })
+  return cudaSuccess;
+}
+
+#define QKV_ATTEND_INSTANCE(T)                                                                       \
+  template cudaError_t LaunchAttendTyped<T>(const AttendPlan&, const AttendParams&, cudaStream_t); \
+  template cudaError_t AttendBlocksPerSmTyped<T>(const AttendShape&, int*)
 extern template cudaError_t LaunchAttendTyped<float>(const AttendPlan&, const AttendParams&, cudaStream_t);
 extern template cudaError_t LaunchAttendTyped<__half>(const AttendPlan&, const AttendParams&, cudaStream_t);
 extern template cudaError_t LaunchAttendTyped<__nv_bfloat16>(const AttendPlan&, const AttendParams&, cudaStream_t);
+extern template cudaError_t AttendBlocksPerSmTyped<float>(const AttendShape&, int*);
+extern template cudaError_t AttendBlocksPerSmTyped<__half>(const AttendShape&, int*);
+extern template cudaError_t AttendBlocksPerSmTyped<__nv_bfloat16>(const AttendShape&, int*);
 
 }  // namespace questkv::kernels::cuda

@@ -155,7 +155,13 @@ struct AttendPlan {
 };
 // max_pages: bound on the entries of any row (the grid is sized for it, so the
 // run step can be captured once and replayed with other selections).
+// The plan fills one wave: rows x splits blocks of at most
+// AttendBlocksPerSm(s) a multiprocessor.
 bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* plan, std::string* error);
+// Blocks of the attention kernel for a valid shape s that one multiprocessor
+// of the current device holds at once, at most 4; 4 when the runtime cannot
+// tell (no device). Cached per device and kernel.
+int AttendBlocksPerSm(const AttendShape& s);
 
 struct AttendParams {
   float scale = 0.f;                  // multiplies q·k (1/sqrt(D) for models)

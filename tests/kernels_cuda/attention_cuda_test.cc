@@ -273,6 +273,34 @@ TEST(AttendPlanTest, RejectsUnsupportedSizesWithAMessage) {
   EXPECT_NE(LastErrorMessage().find("page_size = 24"), std::string::npos) << LastErrorMessage();
 }
 
+// A split plan fills one wave of the kernel's own occupancy: the G = 8
+// tensor-core kernel holds fewer blocks a multiprocessor than the others,
+// and a plan made for four would spill a second, short wave.
+TEST(AttendPlanTest, SplitsFitOneWaveOfTheKernelsOccupancy) {
+  QKV_REQUIRE_GPU();
+  const int sms = NumSms();
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16})
+    for (int group : {1, 4, 8})
+      for (int head_dim : {64, 128, 256}) {
+        const AttendShape s{16 * 8, 8, group, head_dim, 16, dt};
+        const int per_sm = AttendBlocksPerSm(s);
+        ASSERT_GE(per_sm, 1);
+        ASSERT_LE(per_sm, 4);
+        EXPECT_EQ(AttendBlocksPerSm(s), per_sm);  // the cached answer
+        for (int max_pages : {32, 128, 256}) {
+          AttendPlan plan;
+          std::string err;
+          ASSERT_TRUE(PlanAttend(s, max_pages, sms, &plan, &err)) << err;
+          const long long blocks = (long long)s.rows * plan.splits;
+          if (plan.splits > 2) {  // two splits are the floor, whatever the wave
+            EXPECT_LE(blocks, (long long)per_sm * sms)
+                << "dtype " << int(dt) << " G " << group << " D " << head_dim << " pages " << max_pages;
+          }
+          EXPECT_GE((long long)plan.splits * plan.pages_per_split, max_pages);
+        }
+      }
+}
+
 // Select + attend captured once in a CUDA graph; replays equal a direct run
 // bit for bit, and a replay after new queries sees the new queries.
 TEST(AttendGraphTest, CapturedStepReplaysExactly) {
