@@ -1,7 +1,6 @@
 // Plan/run of the sparse decode attention (one launch; the split merge runs
 // in each row's last block, see attention.cuh).
 #include <algorithm>
-#include <array>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -21,18 +20,22 @@ bool Supported(int v, std::initializer_list<int> ok) { return std::find(ok.begin
 // the runtime plans every layer's call.
 int AttendBlocksPerSm(const AttendShape& s) {
   constexpr int kMaxBlocksPerSm = 4;
-  using Key = std::array<int, 5>;  // device, dtype, head_dim, page_size, group
+  struct Entry {
+    int device, dtype, head_dim, page_size, group, blocks;
+  };
   static std::mutex mu;
-  static std::vector<std::pair<Key, int>> cache;
+  static std::vector<Entry> cache;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
     return kMaxBlocksPerSm;
   }
-  const Key key{device, int(s.dtype), s.head_dim, s.page_size, s.group};
+  const Entry key{device, int(s.dtype), s.head_dim, s.page_size, s.group, 0};
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& [k, blocks] : cache)
-    if (k == key) return blocks;
+  for (const Entry& c : cache)
+    if (c.device == key.device && c.dtype == key.dtype && c.head_dim == key.head_dim &&
+        c.page_size == key.page_size && c.group == key.group)
+      return c.blocks;
   int blocks = 0;
   const cudaError_t e = [&]() -> cudaError_t {
     QKV_DISPATCH_DTYPE(s.dtype, T, { return AttendBlocksPerSmTyped<T>(s, &blocks); })
@@ -42,8 +45,8 @@ int AttendBlocksPerSm(const AttendShape& s) {
     (void)cudaGetLastError();
     return kMaxBlocksPerSm;  // not cached: a later call may find the device
   }
-  cache.emplace_back(key, std::min(blocks, kMaxBlocksPerSm));
-  return cache.back().second;
+  cache.push_back({key.device, key.dtype, key.head_dim, key.page_size, key.group, std::min(blocks, kMaxBlocksPerSm)});
+  return cache.back().blocks;
 }
 
 bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* plan, std::string* error) {
