@@ -1,6 +1,7 @@
 // Plan/run of the sparse decode attention (one launch; the split merge runs
 // in each row's last block, see attention.cuh).
 #include <algorithm>
+#include <array>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -20,22 +21,18 @@ bool Supported(int v, std::initializer_list<int> ok) { return std::find(ok.begin
 // the runtime plans every layer's call.
 int AttendBlocksPerSm(const AttendShape& s) {
   constexpr int kMaxBlocksPerSm = 4;
-  struct Entry {
-    int device, dtype, head_dim, page_size, group, blocks;
-  };
+  using Key = std::array<int, 5>;  // device, dtype, head_dim, page_size, group
   static std::mutex mu;
-  static std::vector<Entry> cache;
+  static std::vector<std::pair<Key, int>> cache;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
     return kMaxBlocksPerSm;
   }
-  const Entry key{device, int(s.dtype), s.head_dim, s.page_size, s.group, 0};
+  const Key key{device, int(s.dtype), s.head_dim, s.page_size, s.group};
   std::lock_guard<std::mutex> lock(mu);
-  for (const Entry& c : cache)
-    if (c.device == key.device && c.dtype == key.dtype && c.head_dim == key.head_dim &&
-        c.page_size == key.page_size && c.group == key.group)
-      return c.blocks;
+  for (const auto& [k, blocks] : cache)
+    if (k == key) return blocks;
   int blocks = 0;
   const cudaError_t e = [&]() -> cudaError_t {
     QKV_DISPATCH_DTYPE(s.dtype, T, { return AttendBlocksPerSmTyped<T>(s, &blocks); })
@@ -45,8 +42,8 @@ int AttendBlocksPerSm(const AttendShape& s) {
     (void)cudaGetLastError();
     return kMaxBlocksPerSm;  // not cached: a later call may find the device
   }
-  cache.push_back({key.device, key.dtype, key.head_dim, key.page_size, key.group, std::min(blocks, kMaxBlocksPerSm)});
-  return cache.back().blocks;
+  cache.emplace_back(key, std::min(blocks, kMaxBlocksPerSm));
+  return cache.back().second;
 }
 
 bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* plan, std::string* error) {
