@@ -540,7 +540,7 @@ inline int LaneUnit(long long head_pages, int sms) {
 }
 
 using BlockScan = cub::BlockScan<int, kTopKThreads>;
-constexpr int kShortRowMin = 2048;  // keys; longer rows find their k-th key through a range histogram
+constexpr int kShortRowMin = 1024;  // keys; longer rows find their k-th key through a range histogram
 constexpr int kCandCap = 2048;      // keys of the k-th key's bin that RangeKth gathers
 
 struct TopKShared {
@@ -948,8 +948,10 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     uint32_t kth = 0;
     int ties = 0, equal = 0;
     // SelectShortRow below; shorter rows are faster through RadixKth alone
-    // (H200: 2048 keys 14.5 us vs 19.6 us; 8192 keys 32 vs 22 us with the
-    // histogram's bins from a 64-bit division).
+    // (H200, select: Llama-3-8B b16 8K, 512 keys a row, 37.7 us against 38.2
+    // through SelectShortRow, Llama-2-7B b16 8K 87.3 against 92.1; but 2048
+    // keys a row 23.4 -> 21.0 at Llama-3-8B b1 32K, where RadixKth's four
+    // levels alone took 5.7 us; bench/results/2026-12-03-gpu-session-20.md).
     const bool short_row = kCachedMaxMean && r.n > kShortRowMin && r.n <= kTopKThreads * kItems;
     for (int a = 0; a < (short_row ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;

@@ -213,7 +213,7 @@ INSTANTIATE_TEST_SUITE_P(
                       // at its 2048-page limit, and a long row with many equal scores.
                       SelectCase{1, 2, 4, 128, 16, 512, GqaAgg::kMax, F16, F16, false, false, 2048},
                       SelectCase{2, 1, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 2000},
-                      // Short rows in registers (SelectShortRow: 2049..8192 pages): Llama-3-8B at
+                      // Short rows in registers (SelectShortRow: 1025..8192 pages): Llama-3-8B at
                       // 128K and one page past (after decode steps: the key cache's RangeKth),
                       // many equal scores with kMean, and a budget above half the row.
                       SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8192},
@@ -229,7 +229,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // batch (units cross rows and end mid-row), and with kUnion's per-head
                       // scores and many equal ones.
                       SelectCase{9, 2, 4, 128, 16, 24, GqaAgg::kMean, F16, BF16, false, false, 5000},
-                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F16, F16, true, false, 3000}));
+                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F16, F16, true, false, 3000},
+                      // Rows of 1025..2048 pages past the fused select's limits (SelectShortRow
+                      // too): Llama-3-8B at 32K, and a ragged pair with many equal kMean scores.
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 2048},
+                      SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, F16, BF16, true, false, 1500}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
