@@ -947,11 +947,12 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
     int ties = 0, equal = 0;
-    // SelectShortRow below; shorter rows are faster through RadixKth alone
-    // (H200, select: Llama-3-8B b16 8K, 512 keys a row, 37.7 us against 38.2
-    // through SelectShortRow, Llama-2-7B b16 8K 87.3 against 92.1; but 2048
-    // keys a row 23.4 -> 21.0 at Llama-3-8B b1 32K, where RadixKth's four
-    // levels alone took 5.7 us; bench/results/2026-12-03-gpu-session-20.md).
+    // SelectShortRow past kShortRowMin keys; shorter rows are faster through
+    // RadixKth alone (H200, select, same binary: with the threshold at 512,
+    // Llama-2-7B at 768 keys a row b1 20.7 -> 22.0 us, b16 108 -> 112; at
+    // 1024, against 2048, 2048 keys a row Llama-3-8B b1 23.2 -> 21.1 us and
+    // Llama-2-7B b16 212 -> 205.6, RadixKth's four levels alone having taken
+    // 5.7 us there; bench/results/2026-12-03-gpu-session-20.md).
     const bool short_row = kCachedMaxMean && r.n > kShortRowMin && r.n <= kTopKThreads * kItems;
     for (int a = 0; a < (short_row ? 0 : A); ++a) {
       const float* row_scores = scores + (std::size_t)first * s.kv_heads * A + ((std::size_t)h * A + a) * r.n;
