@@ -12,6 +12,7 @@
 // ceiling at that size.
 //   usage: questkv_gpu_kernels_bench [--json FILE] [--reps N]
 //          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b] [--batches 1,16]]
+//          [--split-long-rows]  (rows of 16K+ pages: the top-K's phases one launch each, for an A/B)
 //          [--attend-only [--geometry ..] [--batches ..]]  (copy + attend: a quick A/B of the attention)
 #include <cuda_fp16.h>
 
@@ -107,6 +108,7 @@ const Geo kGeos[] = {{"llama2-7b", 32, 1}, {"llama3-8b", 8, 4}};
 const Geo kAttendGeos[] = {kGeos[0], kGeos[1], {"llama3-70b", 8, 8}};
 constexpr int D = 128, S = 16;
 int g_sms = 0;
+bool g_split_long_rows = false;  // --split-long-rows
 FILE* g_json = nullptr;
 std::vector<std::string> g_table;
 
@@ -239,6 +241,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   ss.local_pages = 8;
   SelectPlan splan;
   if (!PlanSelect(ss, counts.data(), g_sms, &splan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+  splan.split_long_rows = g_split_long_rows;
   const int cap = splan.out_indptr[1];
   Dev d_oind(splan.out_indptr.size() * 4), d_pages(size_t(splan.out_indptr.back()) * 4),
       d_slots(size_t(splan.out_indptr.back()) * 4), d_count(rows * 4), sws(splan.workspace_bytes);
@@ -379,6 +382,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--batches") && i + 1 < argc) select_batches = CommaList<int>(argv[++i]);
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--split-long-rows")) g_split_long_rows = true;
   }
   g_json = std::fopen(json, "w");
   if (!g_json) return std::perror(json), 1;

@@ -107,6 +107,9 @@ struct SelectPlan {
   int max_pages = 0;      // longest sequence, in pages
   int score_blocks = 0;   // grid of the score kernel
   int key_cache = 0;      // keys the top-K block keeps in shared memory
+  // Rows of more than 16K pages: their top-K phases one launch each even when
+  // the one-launch kernel's grid would be resident at once (tests run both).
+  bool split_long_rows = false;
 };
 // page_counts: host copy of each sequence's number of pages (>= 1).
 bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, SelectPlan* plan,

@@ -14,14 +14,16 @@
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
 //  2. Batches with a row of more than kLongRowMin keys (kMax/kMean), many
-//     blocks per (sequence, KV head) row throughout: HistKernel builds a
+//     blocks per (sequence, KV head) row throughout, in three phases: a
 //     histogram of each row's keys over [min, max] in global memory, the
-//     row's last block finding the bin that holds the k-th largest key;
-//     BinSelectKernel counts each chunk's winners above that bin and gathers
-//     the bin's keys, the row's last block radix-selecting the k-th key among
-//     them (four 8-bit digits) and how many keys equal to it win;
-//     EmitKernel then emits sink ∪ local ∪ winners ascending, chunk by
-//     chunk, keys equal to the k-th winning in index order.
+//     row's last block finding the bin that holds the k-th largest key; each
+//     chunk's winners above that bin counted and the bin's keys gathered, the
+//     row's last block radix-selecting the k-th key among them (four 8-bit
+//     digits) and how many keys equal to it win; then sink ∪ local ∪ winners
+//     emitted ascending, chunk by chunk, keys equal to the k-th winning in
+//     index order. LongRowKernel runs the phases in one launch when its grid
+//     is resident at once, HistKernel, BinSelectKernel and EmitKernel
+//     otherwise.
 //  3. Other batches, TopKKernel: one block per row finds the k-th key the
 //     same way over the row's keys held in its shared key cache (a range
 //     histogram, then the bin's keys) or by the radix select alone when
@@ -37,6 +39,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <mutex>
 #include <string>
 
@@ -90,10 +93,11 @@ __device__ inline uint32_t Key(float x) {
 
 // Per-row state of the multi-block top-K (kMax/kMean), zeroed by LaunchSelect:
 // the largest key and the complement of the smallest among the row's scored
-// (non-sink, non-local) pages, the histogram kernel's and the bin select's
-// finish counters, and how many candidates the bin select has gathered.
+// (non-sink, non-local) pages, the histogram phase's and the bin select's
+// finish counters, how many candidates the bin select has gathered, and the
+// flags LongRowKernel's row-wide steps set.
 struct RowState {
-  uint32_t kmax, kmin_inv, done, bin_done, n_cand, pad[3];
+  uint32_t kmax, kmin_inv, done, bin_done, n_cand, hist_ready, kth_ready, pad;
 };
 constexpr int kBins = 2048;  // histogram bins over [kmin, kmax]
 
@@ -700,73 +704,6 @@ __device__ int OrderedPassAll(int n, TopKShared& sh, Take take, Emit emit) {
   return out_base;
 }
 
-// Multi-block histogram of a row's scored keys over kBins bins of
-// [kmin, kmax]: grid (chunks of kHistChunk pages, rows); the row's last block
-// to finish finds the bin holding the k-th largest key and the rank in it.
-constexpr int kHistThreads = 256;
-constexpr int kHistPer = 16;
-constexpr int kHistChunk = kHistThreads * kHistPer;
-using HistScan = cub::BlockScan<int, kHistThreads>;
-
-__global__ void __launch_bounds__(kHistThreads) HistKernel(SelectParams p, const float* scores, RowState* st,
-                                                          uint32_t* ghist, int2* pick) {
-  ChainWait();
-  ChainRelease();
-  __shared__ uint32_t hist[kBins];
-  __shared__ typename HistScan::TempStorage scan;
-  __shared__ bool last;
-  const SelectShape& s = p.shape;
-  const int row = blockIdx.y;
-  const int b = row / s.kv_heads, h = row % s.kv_heads;
-  const int first = p.page_indptr[b];
-  const RowPolicy r = PolicyFor(s, p.page_indptr[b + 1] - first);
-  const int c0 = blockIdx.x * kHistChunk;
-  if (r.all || r.k == 0 || c0 >= r.n) return;
-  for (int i = threadIdx.x; i < kBins; i += kHistThreads) hist[i] = 0;
-  __syncthreads();
-  const float* rs = scores + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n;
-  const uint32_t kmin = ~st[row].kmin_inv;
-  const int shift = RangeShift(st[row].kmax - kmin);
-  float x[kHistPer];
-#pragma unroll
-  for (int t = 0; t < kHistPer; ++t) {
-    const int i = c0 + t * kHistThreads + threadIdx.x;
-    x[t] = i < r.n ? __ldg(rs + i) : 0.f;
-  }
-#pragma unroll
-  for (int t = 0; t < kHistPer; ++t) {
-    const int i = c0 + t * kHistThreads + threadIdx.x;
-    if (i < r.n && !Skipped(r, i)) atomicAdd(&hist[(Key(x[t]) - kmin) >> shift], 1u);
-  }
-  __syncthreads();
-  uint32_t* gh = ghist + (std::size_t)row * kBins;
-  for (int i = threadIdx.x; i < kBins; i += kHistThreads)
-    if (hist[i]) atomicAdd(gh + i, hist[i]);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned blocks = unsigned((r.n + kHistChunk - 1) / kHistChunk);
-    last = atomicAdd(&st[row].done, 1u) == blocks - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // Thread t owns bins top, top-1, .., top-7 (t = 0: the highest).
-  constexpr int kPer = kBins / kHistThreads;
-  const int top = kBins - 1 - threadIdx.x * kPer;
-  int cnt[kPer], sum = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) sum += cnt[j] = int(__ldcg(gh + top - j));
-  int incl;
-  HistScan(scan).InclusiveSum(sum, incl);
-  const int before = incl - sum;
-  if (before < r.k && r.k <= incl) {
-    int rr = r.k - before, j = 0;
-    while (cnt[j] < rr) rr -= cnt[j++];
-    pick[row] = make_int2(top - j, rr);
-  }
-}
-
 // With a range histogram of a row's scored keys in sh.bins: the bin holding
 // the k-th largest key (sh.pick_bucket), the rank of that key within the bin
 // (sh.pick_rank) and the bin's count (sh.pick_count). Read after a barrier.
@@ -1019,23 +956,40 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
 }
 
 // Long rows (kMax/kMean, rows of more than kLongRowMin keys in the batch):
-// once HistKernel has found the bin of each row's k-th key, the rest runs
-// over chunks of kEmitChunk keys in many blocks, never one block over a
-// whole row (H200, Llama-3-8B b1 1M: one block a row gathering its bin's
-// keys took 27 us of the select, under ncu's clocks; the ordered emit in one
-// block a row took ~50-65 us on rows of 32K-64K keys).
-// BinSelectKernel: each chunk's winners other than the keys in the k-th
-// key's bin (sink and local pages, keys in higher bins) are counted, and the
-// bin's keys appended to the row's candidates; the row's last block to
-// finish radix-selects the k-th key among them and adds each candidate to
-// its chunk's count of keys above or equal to the k-th. EmitKernel adds up
-// the chunks before its own (equal keys win in index order while their
-// rank is below `ties`) and emits its chunk in order. Grid (chunks, rows)
-// for both.
+// many blocks a row throughout, never one block over a whole row (H200,
+// Llama-3-8B b1 1M: one block a row gathering its bin's keys took 27 us of
+// the select, under ncu's clocks; the ordered emit in one block a row took
+// ~50-65 us on rows of 32K-64K keys). Grid (chunks of kEmitChunk keys,
+// rows); a block holds its chunk's keys in registers, kEmitItems consecutive
+// ones a thread, through three phases, each ending in a row-wide step taken
+// by the row's last block to finish the phase:
+//  1. HistChunk: the chunk's scored keys into the row's kBins-bin histogram
+//     over the score kernel's key range [kmin, kmax]; the last block finds
+//     the bin holding the k-th largest key and the key's rank in it (PickBin).
+//  2. BinChunk: the chunk's winners other than the keys in that bin (sink
+//     and local pages, keys in higher bins) counted, the bin's keys appended
+//     to the row's candidates; the last block radix-selects the k-th key
+//     among them and adds each candidate to its chunk's count of keys above
+//     or equal to the k-th (BinFinish).
+//  3. EmitChunk: the chunks before this one added up (equal keys win in
+//     index order while their rank is below `ties`), the chunk emitted in
+//     order.
+// When the whole grid is resident at once, LongRowKernel runs the three in
+// one launch, a row's blocks waiting at each row-wide step for the flag its
+// last block sets; otherwise HistKernel, BinSelectKernel and EmitKernel run
+// them one launch each. One launch against three, same binary (H200, select,
+// bench/results/2026-12-03-gpu-session-21.md): Llama-3-8B b1 512K 88.6 ->
+// 80.0 us, b1 1M 130.5 -> 120.4; Llama-2-7B b1 512K 213.5 -> 201.2, b1 1M
+// 379.5 -> 361.7; batch 16 the same within noise. Against the three earlier
+// kernels (a histogram pass, then the bin select's and the emit's, with
+// their own loads), with the 16-byte loads: Llama-3-8B b1 512K 83.7 -> 76.3,
+// 1M 124.2 -> 117.5; Llama-2-7B b1 512K 202.9 -> 193.9, 1M 368.9 -> 360.7.
+// Rows of 4K-16K keys stay with the one-block top-K, faster there (b1 128K
+// 32.3 against 45.9 us through these phases).
 constexpr int kEmitThreads = 256;
 constexpr int kEmitItems = 16;
 constexpr int kEmitChunk = kEmitThreads * kEmitItems;
-constexpr int kLongRowMin = 16384;  // keys; longer rows take HistKernel + the chunked emit
+constexpr int kLongRowMin = 16384;  // keys; longer rows take the chunked phases
 constexpr int kBinCap = 4096;       // candidates a row's bin select holds; a fuller bin takes the row's keys
 using EmitScan = cub::BlockScan<int, kEmitThreads>;
 using EmitReduce = cub::BlockReduce<int, kEmitThreads>;
@@ -1056,149 +1010,225 @@ __device__ __forceinline__ EmitRow EmitRowOf(const SelectParams& p, const float*
   return e;
 }
 
-// counts[row][chunk] = (winners other than keys equal to the k-th, keys
-// equal to it); row_kth[row] = (k-th key, ties that win, keys equal, 1).
-// cand: the rows' candidate lists, cand_cap (key, index) pairs each.
-__global__ void __launch_bounds__(kEmitThreads) BinSelectKernel(SelectParams p, const float* scores, RowState* st,
-                                                                const uint32_t* ghist, const int2* pick, int2* cand,
-                                                                int cand_cap, int4* row_kth, int2* counts) {
-  ChainWait();
-  ChainRelease();
-  __shared__ typename EmitReduce::TempStorage red;
-  __shared__ TopKShared sh;
-  __shared__ uint32_t keys[kBinCap + kBinCap / 32 + 1];
-  __shared__ bool last;
-  const int row = blockIdx.y;
-  const EmitRow e = EmitRowOf(p, scores, row);
-  const RowPolicy& r = e.r;
-  const int c0 = blockIdx.x * kEmitChunk;
-  if (c0 >= r.n) return;
-  int2* chunk_counts = counts + (std::size_t)row * gridDim.x;
-  if (r.all || r.k == 0) {  // winners known without a k-th key: every page, or the sink and local ones
-    int fixed = 0;
-    for (int t = 0; t < kEmitItems; ++t) {
-      const int i = c0 + t * kEmitThreads + int(threadIdx.x);
-      fixed += i < r.n && (r.all || Skipped(r, i)) ? 1 : 0;
+struct LongShared {
+  TopKShared sh;  // sh.bins: the chunk's histogram, then RadixKth's
+  uint32_t keys[kBinCap + kBinCap / 32 + 1];  // the row's candidates (its last block)
+  union {
+    typename EmitScan::TempStorage scan;
+    typename EmitReduce::TempStorage red;
+  };
+  int2 pick;
+  int base_out, base_eq, total_out;
+  bool last;
+};
+
+// A block's chunk: thread t's kEmitItems consecutive keys from c0 + t *
+// kEmitItems, with bit masks of the scored ones and of the sink and local
+// pages (a row choosing every page has no scores: what is read there is
+// never used). 16-byte loads when the row's scores are aligned for them
+// (H200, select, same call: Llama-2-7B b1 1M 370.6 -> 360.7 us, Llama-3-8B
+// b1 512K 78.8 -> 76.3; bench/results/2026-12-03-gpu-session-21.md).
+struct ChunkKeys {
+  uint32_t key[kEmitItems];
+  uint32_t valid, fixed;
+};
+__device__ __forceinline__ ChunkKeys LoadChunk(const EmitRow& e, int c0) {
+  const int i0 = c0 + int(threadIdx.x) * kEmitItems;
+  const float* src = e.scores + i0;
+  float x[kEmitItems];
+  if (i0 + kEmitItems <= e.r.n && (reinterpret_cast<std::uintptr_t>(src) & 15) == 0) {
+#pragma unroll
+    for (int v = 0; v < kEmitItems / 4; ++v) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(src) + v);
+      x[4 * v] = f.x, x[4 * v + 1] = f.y, x[4 * v + 2] = f.z, x[4 * v + 3] = f.w;
     }
-    const int f = EmitReduce(red).Sum(fixed);
-    if (threadIdx.x == 0) {
-      chunk_counts[blockIdx.x] = make_int2(f, 0);
-      // Every key is above 0 or equal to it and all equal ones win; none is
-      // above or equal to 2^32 - 1 (Key never gives it).
-      if (blockIdx.x == 0) row_kth[row] = r.all ? make_int4(0, INT_MAX, 0, 1) : make_int4(-1, 0, 0, 1);
-    }
-    return;
+  } else {
+#pragma unroll
+    for (int t = 0; t < kEmitItems; ++t) x[t] = i0 + t < e.r.n ? __ldg(src + t) : 0.f;
   }
-  const int2 pk = pick[row];
-  const uint32_t kmin = ~st[row].kmin_inv;
-  const int shift = RangeShift(st[row].kmax - kmin);
-  const bool gather = int(ghist[(std::size_t)row * kBins + pk.x]) <= cand_cap;
-  int2* rc = cand + (std::size_t)row * cand_cap;
-  int above = 0;
+  ChunkKeys ck;
+  ck.valid = ck.fixed = 0;
+#pragma unroll
   for (int t = 0; t < kEmitItems; ++t) {
-    const int i = c0 + t * kEmitThreads + int(threadIdx.x);
-    if (i >= r.n) break;
-    if (Skipped(r, i)) {
-      ++above;
-      continue;
-    }
-    const uint32_t key = Key(__ldg(e.scores + i));
-    const int bin = int((key - kmin) >> shift);
-    if (bin > pk.x) ++above;
-    else if (bin == pk.x && gather) rc[atomicAdd(&st[row].n_cand, 1u)] = make_int2(int(key), i);
+    const int i = i0 + t;
+    ck.key[t] = 0;
+    if (i >= e.r.n) continue;
+    if (e.r.all || Skipped(e.r, i)) ck.fixed |= 1u << t;
+    else ck.key[t] = Key(x[t]), ck.valid |= 1u << t;
   }
-  const int a = EmitReduce(red).Sum(above);
+  return ck;
+}
+
+__device__ __forceinline__ int ChunksOf(int n) { return (n + kEmitChunk - 1) / kEmitChunk; }
+
+// Every thread's writes fenced, then one ticket on `counter`: true in the
+// row's last block to arrive (block-uniform).
+__device__ bool LastOfRow(uint32_t* counter, int n, LongShared& ls) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) ls.last = atomicAdd(counter, 1u) == unsigned(ChunksOf(n)) - 1;
+  __syncthreads();
+  if (!ls.last) return false;
+  __threadfence();
+  return true;
+}
+
+// LongRowKernel's row-wide steps: the last block sets the flag once its
+// results are written (Publish, one thread); the others wait for it.
+__device__ __forceinline__ void Publish(uint32_t* flag) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
+}
+__device__ void AwaitFlag(const uint32_t* flag) {
   if (threadIdx.x == 0) {
-    chunk_counts[blockIdx.x] = make_int2(a, 0);
-    __threadfence();
-    const unsigned blocks = unsigned((r.n + kEmitChunk - 1) / kEmitChunk);
-    last = atomicAdd(&st[row].bin_done, 1u) == blocks - 1;
+    uint32_t v = 0;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+      if (v) break;
+      __nanosleep(32);
+    }
   }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
+}
+
+// Phase 1 (rows with a k-th key to find): true in the row's last block.
+__device__ bool HistChunk(const ChunkKeys& ck, const RowPolicy& r, uint32_t kmin, int shift, uint32_t* gh,
+                          RowState& rs, LongShared& ls) {
+  for (int i = threadIdx.x; i < kBins; i += kEmitThreads) ls.sh.bins[i] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < kEmitItems; ++t)
+    if (ck.valid >> t & 1u) atomicAdd(&ls.sh.bins[(ck.key[t] - kmin) >> shift], 1u);
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += kEmitThreads)
+    if (ls.sh.bins[i]) atomicAdd(gh + i, ls.sh.bins[i]);
+  return LastOfRow(&rs.done, r.n, ls);
+}
+
+// The row's last block after phase 1: (bin of the k-th largest key, the
+// key's rank in it), from the row's histogram.
+__device__ int2 PickBin(const uint32_t* gh, int k, LongShared& ls) {
+  constexpr int kPer = kBins / kEmitThreads;  // thread t: bins top, top-1, .., from the highest
+  const int top = kBins - 1 - int(threadIdx.x) * kPer;
+  int cnt[kPer], sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sum += cnt[j] = int(__ldcg(gh + top - j));
+  int incl;
+  EmitScan(ls.scan).InclusiveSum(sum, incl);
+  const int before = incl - sum;
+  if (before < k && k <= incl) {
+    int rr = k - before, j = 0;
+    while (cnt[j] < rr) rr -= cnt[j++];
+    ls.pick = make_int2(top - j, rr);
+  }
+  __syncthreads();
+  return ls.pick;
+}
+
+// The bin-select inputs of a row: its key range's shift and whether the
+// k-th key's bin fits the candidate list.
+struct BinOf {
+  int2 pick;  // (bin, rank in it)
+  uint32_t kmin;
+  int shift;
+  bool gather;
+};
+
+// Phase 2: counts[c] = (winners other than the bin's keys, 0), the bin's keys
+// appended to the row's candidates `rc`; true in the row's last block.
+__device__ bool BinChunk(const ChunkKeys& ck, const RowPolicy& r, const BinOf& bo, int c0, int2* rc,
+                         int2* chunk_counts, RowState& rs, LongShared& ls) {
+  int above = __popc(ck.fixed);
+  if (!r.all && r.k > 0) {
+    const int i0 = c0 + int(threadIdx.x) * kEmitItems;
+#pragma unroll
+    for (int t = 0; t < kEmitItems; ++t) {
+      if (!(ck.valid >> t & 1u)) continue;
+      const int bin = int((ck.key[t] - bo.kmin) >> bo.shift);
+      if (bin > bo.pick.x) ++above;
+      else if (bin == bo.pick.x && bo.gather) rc[atomicAdd(&rs.n_cand, 1u)] = make_int2(int(ck.key[t]), i0 + t);
+    }
+  }
+  const int a = EmitReduce(ls.red).Sum(above);
+  if (threadIdx.x == 0) chunk_counts[blockIdx.x] = make_int2(a, 0);
+  return LastOfRow(&rs.bin_done, r.n, ls);
+}
+
+// The row's last block after phase 2: (k-th key, ties that win, keys equal,
+// 1), each candidate added to its chunk's count of keys above (x) or equal
+// to (y) the k-th. Rows choosing every page, or only sink and local pages,
+// need no k-th key: every key is above 0 or equal to it and all equal ones
+// win; none is above or equal to 2^32 - 1 (Key never gives it).
+__device__ int4 BinFinish(const EmitRow& e, const BinOf& bo, const int2* rc, RowState& rs, int2* chunk_counts,
+                          LongShared& ls) {
+  const RowPolicy& r = e.r;
+  if (r.all) return make_int4(0, INT_MAX, 0, 1);
+  if (r.k == 0) return make_int4(-1, 0, 0, 1);
   uint32_t kth = 0;
   int ties = 0, equal = 0;
-  if (gather) {
-    const int c = int(__ldcg(&st[row].n_cand));
-    for (int j = threadIdx.x; j < c; j += kEmitThreads) keys[CacheSlot(j)] = uint32_t(__ldcg(&rc[j].x));
+  if (bo.gather) {
+    const int c = int(__ldcg(&rs.n_cand));
+    for (int j = threadIdx.x; j < c; j += kEmitThreads) ls.keys[CacheSlot(j)] = uint32_t(__ldcg(&rc[j].x));
     __syncthreads();
     RowPolicy cr{};
     cr.n = c;
-    cr.k = pk.y;
-    RadixKth(Keys{nullptr, keys}, cr, sh, &kth, &ties, &equal);
+    cr.k = bo.pick.y;
+    RadixKth(Keys{nullptr, ls.keys}, cr, ls.sh, &kth, &ties, &equal);
     for (int j = threadIdx.x; j < c; j += kEmitThreads) {
-      const uint32_t key = keys[CacheSlot(j)];
+      const uint32_t key = ls.keys[CacheSlot(j)];
       int* at = &chunk_counts[__ldcg(&rc[j].y) / kEmitChunk].x;
       if (key > kth) atomicAdd(at, 1);
       else if (key == kth) atomicAdd(at + 1, 1);
     }
   } else {  // many equal scores: the whole row's keys, from the scores
-    RadixKth(Keys{e.scores, nullptr}, r, sh, &kth, &ties, &equal);
+    RadixKth(Keys{e.scores, nullptr}, r, ls.sh, &kth, &ties, &equal);
     for (int i = threadIdx.x; i < r.n; i += kEmitThreads) {
       if (Skipped(r, i)) continue;
       const uint32_t key = Key(__ldcg(e.scores + i));
-      if (int((key - kmin) >> shift) != pk.x) continue;
+      if (int((key - bo.kmin) >> bo.shift) != bo.pick.x) continue;
       int* at = &chunk_counts[i / kEmitChunk].x;
       if (key > kth) atomicAdd(at, 1);
       else if (key == kth) atomicAdd(at + 1, 1);
     }
   }
-  if (threadIdx.x == 0) row_kth[row] = make_int4(int(kth), ties, equal, 1);
+  __threadfence();  // the counts, before the row's flag (LongRowKernel)
+  return make_int4(int(kth), ties, equal, 1);
 }
 
-__global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const float* scores, const int4* row_kth,
-                                                           const int2* counts) {
-  ChainWait();
-  ChainRelease();
-  __shared__ typename EmitScan::TempStorage scan;
-  __shared__ int base_out, base_eq, total_out;
-  const int row = blockIdx.y;
-  const int4 rk = row_kth[row];
-  if (rk.w != 1) return;
-  const EmitRow e = EmitRowOf(p, scores, row);
-  const int c0 = blockIdx.x * kEmitChunk;
-  const int last_chunk = (e.r.n - 1) / kEmitChunk;
-  if (int(blockIdx.x) > last_chunk) return;
+// Phase 3: the chunk's winners in order at their places in the row's output.
+__device__ void EmitChunk(const SelectParams& p, const EmitRow& e, int row, const ChunkKeys& ck, int4 rk,
+                          const int2* chunk_counts, int c0, LongShared& ls) {
+  const int last_chunk = ChunksOf(e.r.n) - 1;
   const uint32_t kth = uint32_t(rk.x);
   const int ties = rk.y;
   if (threadIdx.x == 0) {
     int out = 0, eq = 0, eq_run = 0, all = 0;
     for (int c = 0; c <= last_chunk; ++c) {
-      const int2 v = counts[(std::size_t)row * gridDim.x + c];
+      const int2 v = __ldcg(chunk_counts + c);
       const int won = v.x + min(max(ties - eq_run, 0), v.y);
       if (c < int(blockIdx.x)) out += won, eq += v.y;
       eq_run += v.y;
       all += won;
     }
-    base_out = out;
-    base_eq = eq;
-    total_out = all;
+    ls.base_out = out;
+    ls.base_eq = eq;
+    ls.total_out = all;
   }
   __syncthreads();
-  // kEmitItems consecutive keys a thread.
-  const int i0 = c0 + int(threadIdx.x) * kEmitItems;
-  uint32_t fixed = 0, above = 0, eqm = 0;
+  uint32_t above = 0, eqm = 0;
 #pragma unroll
-  for (int t = 0; t < kEmitItems; ++t) {
-    const int i = i0 + t;
-    if (i >= e.r.n) break;
-    if (Skipped(e.r, i)) {
-      fixed |= 1u << t;
-      continue;
+  for (int t = 0; t < kEmitItems; ++t)
+    if (ck.valid >> t & 1u) {
+      if (ck.key[t] > kth) above |= 1u << t;
+      else if (ck.key[t] == kth) eqm |= 1u << t;
     }
-    const uint32_t key = Key(__ldg(e.scores + i));
-    if (key > kth) above |= 1u << t;
-    else if (key == kth) eqm |= 1u << t;
-  }
-  uint32_t taken = fixed | above;
+  uint32_t taken = ck.fixed | above;
   if (ties >= rk.z) {
     taken |= eqm;
   } else {
     int e_rank;
-    EmitScan(scan).ExclusiveSum(__popc(eqm), e_rank);
+    EmitScan(ls.scan).ExclusiveSum(__popc(eqm), e_rank);
     __syncthreads();
-    e_rank += base_eq;
+    e_rank += ls.base_eq;
 #pragma unroll
     for (int t = 0; t < kEmitItems; ++t)
       if (eqm >> t & 1u) {
@@ -1207,11 +1237,12 @@ __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const
       }
   }
   int pos;
-  EmitScan(scan).ExclusiveSum(__popc(taken), pos);
-  pos += base_out;
+  EmitScan(ls.scan).ExclusiveSum(__popc(taken), pos);
+  pos += ls.base_out;
   const SelectShape& s = p.shape;
   const int b = row / s.kv_heads, h = row % s.kv_heads;
   const uint32_t* ids = p.page_ids + p.page_indptr[b];
+  const int i0 = c0 + int(threadIdx.x) * kEmitItems;
 #pragma unroll
   for (int t = 0; t < kEmitItems; ++t)
     if (taken >> t & 1u) {
@@ -1220,8 +1251,100 @@ __global__ void __launch_bounds__(kEmitThreads) EmitKernel(SelectParams p, const
       if (p.out_slots) p.out_slots[e.out0 + pos] = p.hbm_slot[(std::size_t)ids[i] * s.kv_heads + h];
       ++pos;
     }
-  if (int(blockIdx.x) == last_chunk && threadIdx.x == 0) p.out_count[row] = total_out;
+  if (int(blockIdx.x) == last_chunk && threadIdx.x == 0) p.out_count[row] = ls.total_out;
 }
+
+// The long-row buffers of LaunchSelect's workspace: per row its state and
+// histogram (zeroed before the score kernel), (bin, rank) pick, k-th key,
+// counts per chunk ([row][chunk], the grid's width) and cand_cap candidates.
+struct LongRows {
+  RowState* st;
+  uint32_t* ghist;
+  int2* pick;
+  int4* row_kth;
+  int2* counts;
+  int2* cand;
+  int cand_cap;
+};
+
+__device__ __forceinline__ BinOf BinOfRow(const RowState& rs, int2 pick, const uint32_t* gh, int cand_cap) {
+  BinOf bo;
+  bo.pick = pick;
+  bo.kmin = ~rs.kmin_inv;
+  bo.shift = RangeShift(rs.kmax - bo.kmin);
+  bo.gather = int(__ldcg(gh + pick.x)) <= cand_cap;
+  return bo;
+}
+
+// Phases kFrom..kTo of the long rows' top-K in one launch: all three
+// (LongRowKernel, the whole grid resident: LaunchSelect checks), a row's
+// blocks waiting at each row-wide step for its flag; or one (HistKernel,
+// BinSelectKernel, EmitKernel), the launch before having finished the step.
+template <int kFrom, int kTo>
+__global__ void __launch_bounds__(kEmitThreads) LongRowPhases(SelectParams p, const float* scores, LongRows lr) {
+  ChainWait();
+  ChainRelease();
+  __shared__ LongShared ls;
+  const int row = blockIdx.y;
+  const EmitRow e = EmitRowOf(p, scores, row);
+  const int c0 = blockIdx.x * kEmitChunk;
+  const bool select = !e.r.all && e.r.k > 0;  // a k-th key to find
+  if (c0 >= e.r.n || (kTo == 1 && !select)) return;
+  int4 rk{};
+  if constexpr (kFrom == 3) {
+    rk = __ldcg(lr.row_kth + row);
+    if (rk.w != 1) return;
+  }
+  const ChunkKeys ck = LoadChunk(e, c0);
+  int2* chunk_counts = lr.counts + (std::size_t)row * gridDim.x;
+  if constexpr (kFrom <= 2) {
+    RowState& rs = lr.st[row];
+    uint32_t* gh = lr.ghist + (std::size_t)row * kBins;
+    BinOf bo{};
+    if (select) {
+      int2 pk;
+      if constexpr (kFrom == 1) {
+        const uint32_t kmin = ~rs.kmin_inv;
+        const bool last = HistChunk(ck, e.r, kmin, RangeShift(rs.kmax - kmin), gh, rs, ls);
+        if (last) {
+          pk = PickBin(gh, e.r.k, ls);
+          if (threadIdx.x == 0) {
+            lr.pick[row] = pk;
+            if (kTo > 1) Publish(&rs.hist_ready);
+          }
+        }
+        if constexpr (kTo == 1) return;
+        if (!last) {
+          AwaitFlag(&rs.hist_ready);
+          pk = __ldcg(lr.pick + row);
+        }
+      } else {
+        pk = __ldcg(lr.pick + row);
+      }
+      bo = BinOfRow(rs, pk, gh, lr.cand_cap);
+    }
+    int2* rc = lr.cand + (std::size_t)row * lr.cand_cap;
+    const bool last = BinChunk(ck, e.r, bo, c0, rc, chunk_counts, rs, ls);
+    if (last) {
+      rk = BinFinish(e, bo, rc, rs, chunk_counts, ls);
+      __syncthreads();  // every count added
+      if (threadIdx.x == 0) {
+        lr.row_kth[row] = rk;
+        if (kTo > 2) Publish(&rs.kth_ready);
+      }
+    }
+    if constexpr (kTo == 2) return;
+    if (!last) {
+      AwaitFlag(&rs.kth_ready);
+      rk = __ldcg(lr.row_kth + row);
+    }
+  }
+  EmitChunk(p, e, row, ck, rk, chunk_counts, c0, ls);
+}
+constexpr auto LongRowKernel = LongRowPhases<1, 3>;
+constexpr auto HistKernel = LongRowPhases<1, 1>;
+constexpr auto BinSelectKernel = LongRowPhases<2, 2>;
+constexpr auto EmitKernel = LongRowPhases<3, 3>;
 
 // Few short rows (kMax/kMean, G <= 4, <= kFuseMaxPages pages, one cluster per
 // row fitting in one wave): one launch. A cluster of kFuseBlocks blocks per
@@ -1347,6 +1470,27 @@ cudaError_t AllowDynamicSmem() {
   });
   return error[dev];
 }
+// Blocks of kKernel (kThreads threads, static shared memory only) that one
+// multiprocessor holds, once per device; 0 when the query fails.
+template <auto kKernel, int kThreads>
+int ResidentBlocksPerSm() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static int blocks[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  std::call_once(once[dev], [dev] {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks[dev], kKernel, kThreads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      blocks[dev] = 0;
+    }
+  });
+  return blocks[dev];
+}
+
 // The top-K kernels' largest key cache (beside their ~19 KiB of static shared memory).
 template <auto kKernel>
 cudaError_t AllowKeyCache() {
@@ -1473,32 +1617,30 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
   const bool unioned = s.gqa == GqaAgg::kUnion && s.group > 1;
   if (unioned) marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * s.group * sizeof(float));
-  // kMax/kMean with long rows: row states, histograms and picks after the scores.
-  RowState* st = nullptr;
-  uint32_t* ghist = nullptr;
-  int2* pick = nullptr;
-  int4* row_kth = nullptr;
-  int2* chunk_counts = nullptr;
-  int2* cand = nullptr;
+  // kMax/kMean with long rows: row states, histograms, picks, k-th keys,
+  // chunk counts and candidates after the scores.
+  LongRows lr{};
   const int chunks = (plan.max_pages + kEmitChunk - 1) / kEmitChunk;
-  // The multi-block histogram and chunked emit cost a memset and three
-  // launches; they pay off for rows of more than kLongRowMin keys (H200:
-  // the one-block select over 32K cached keys took ~50 us, 64K binned ~65).
+  // The chunked phases cost a memset and one to three launches; they pay off
+  // for rows of more than kLongRowMin keys (H200: the one-block select over
+  // 32K cached keys took ~50 us, 64K binned ~65).
   if (!s.dense && s.gqa != GqaAgg::kUnion && plan.max_pages > kLongRowMin) {
     char* base = static_cast<char*>(p.workspace) + AlignUp(head_pages * sizeof(float));
-    st = reinterpret_cast<RowState*>(base);
-    ghist = reinterpret_cast<uint32_t*>(base + rows * sizeof(RowState));
+    lr.st = reinterpret_cast<RowState*>(base);
+    lr.ghist = reinterpret_cast<uint32_t*>(base + rows * sizeof(RowState));
     char* after_hist = base + AlignUp(std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)));
-    pick = reinterpret_cast<int2*>(after_hist);
-    row_kth = reinterpret_cast<int4*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)));
-    chunk_counts = reinterpret_cast<int2*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)) +
-                                           AlignUp(std::size_t(rows) * sizeof(int4)));
-    cand = reinterpret_cast<int2*>(reinterpret_cast<char*>(chunk_counts) +
-                                   AlignUp(std::size_t(rows) * chunks * sizeof(int2)));
+    lr.pick = reinterpret_cast<int2*>(after_hist);
+    lr.row_kth = reinterpret_cast<int4*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)));
+    lr.counts = reinterpret_cast<int2*>(after_hist + AlignUp(std::size_t(rows) * sizeof(int2)) +
+                                        AlignUp(std::size_t(rows) * sizeof(int4)));
+    lr.cand = reinterpret_cast<int2*>(reinterpret_cast<char*>(lr.counts) +
+                                      AlignUp(std::size_t(rows) * chunks * sizeof(int2)));
+    lr.cand_cap = std::min(kBinCap, plan.key_cache);
     const cudaError_t e =
-        cudaMemsetAsync(st, 0, std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)), stream);
+        cudaMemsetAsync(lr.st, 0, std::size_t(rows) * (sizeof(RowState) + kBins * sizeof(uint32_t)), stream);
     if (e != cudaSuccess) return e;
   }
+  RowState* st = lr.st;
   if (!s.dense) {
     QKV_DISPATCH_DTYPE(p.q_dtype, QT, {
       QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
@@ -1510,21 +1652,24 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
       })
     })
     if (marks) ClearMarks<<<plan.score_blocks, 256, 0, stream>>>(marks, p.page_indptr, s.batch, s.kv_heads);
-    if (st) {
-      const dim3 grid((plan.max_pages + kHistChunk - 1) / kHistChunk, rows);
-      if (const cudaError_t e = LaunchChained(HistKernel, grid, dim3(kHistThreads), 0, stream, p, scores, st, ghist, pick);
+  }
+  if (st) {  // long rows: the chunked phases, many blocks a row
+    const dim3 grid(chunks, rows);
+    // One launch when every block of the grid is resident at once: a row's
+    // blocks wait for each other at its row-wide steps, so none may wait for
+    // a block that cannot start.
+    const long long resident = (long long)ResidentBlocksPerSm<LongRowKernel, kEmitThreads>() *
+                               std::max(1, plan.score_blocks / kScoreBlocksPerSm);
+    if (!plan.split_long_rows && (long long)chunks * rows <= resident) {
+      if (const cudaError_t e = LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
           e != cudaSuccess)
         return e;
+      return cudaGetLastError();
     }
-  }
-  if (st) {  // long rows: the bin select and the chunked emit, many blocks a row
-    const dim3 grid(chunks, rows);
-    const int cand_cap = std::min(kBinCap, plan.key_cache);
-    for (const cudaError_t e : {LaunchChained(BinSelectKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, st, ghist,
-                                              pick, cand, cand_cap, row_kth, chunk_counts),
-                                LaunchChained(EmitKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, row_kth,
-                                              chunk_counts)})
-      if (e != cudaSuccess) return e;
+    for (auto kernel : {HistKernel, BinSelectKernel, EmitKernel})
+      if (const cudaError_t e = LaunchChained(kernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
+          e != cudaSuccess)
+        return e;
     return cudaGetLastError();
   }
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);

@@ -74,7 +74,7 @@ void PrintTo(const SelectCase& c, std::ostream* os) {
       << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "");
 }
 
-void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0) {
+void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool split_long_rows = false) {
   const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
   std::mt19937 rng{uint32_t(seed)};
   // Token lengths 1, S-1, S, S+1, 4099 and random ones.
@@ -130,6 +130,9 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0) {
   // longer than the cache) and, when the k-th key's bin overflows it, the
   // top-K block's fallback over global keys.
   if (key_cache > 0) plan.key_cache = std::min(plan.key_cache, key_cache);
+  // Rows of more than 16K pages: their top-K in one launch (the grids here
+  // are resident at once) or, split, three.
+  plan.split_long_rows = split_long_rows;
 
   DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws;
   Upload(d_q, Encode(q, c.q_dtype));
@@ -191,6 +194,10 @@ TEST_P(SelectCudaTest, EqualsCpuTwinExactly) {
   QKV_REQUIRE_GPU();
   for (uint64_t seed : {1u, 2u}) RunSelectCase(GetParam(), 100 * seed + GetParam().batch);
   for (int key_cache : {8, 256}) RunSelectCase(GetParam(), 300 + key_cache + GetParam().batch, key_cache);
+  if (GetParam().big_pages > 16384) {
+    RunSelectCase(GetParam(), 500 + GetParam().batch, 0, /*split_long_rows=*/true);
+    RunSelectCase(GetParam(), 508 + GetParam().batch, 8, /*split_long_rows=*/true);
+  }
 }
 
 constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16;
