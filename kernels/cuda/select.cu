@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -978,12 +979,13 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
 // one launch, a row's blocks waiting at each row-wide step for the flag its
 // last block sets; otherwise HistKernel, BinSelectKernel and EmitKernel run
 // them one launch each. One launch against three, same binary (H200, select,
-// bench/results/2026-12-03-gpu-session-21.md): Llama-3-8B b1 512K 88.6 ->
-// 80.0 us, b1 1M 130.5 -> 120.4; Llama-2-7B b1 512K 213.5 -> 201.2, b1 1M
-// 379.5 -> 361.7; batch 16 the same within noise. Against the three earlier
-// kernels (a histogram pass, then the bin select's and the emit's, with
-// their own loads), with the 16-byte loads: Llama-3-8B b1 512K 83.7 -> 76.3,
-// 1M 124.2 -> 117.5; Llama-2-7B b1 512K 202.9 -> 193.9, 1M 368.9 -> 360.7.
+// bench/results/2026-12-03-gpu-session-21.md): Llama-3-8B b1 512K 83.8 ->
+// 77.6 us, b1 1M 125.9 -> 118.8; Llama-2-7B b1 512K 200.1 -> 190.4 (Llama-2-7B
+// b1 1M, 512 blocks, and batch 16 do not fit one wave: the same path both
+// ways). Against the three earlier kernels (a histogram pass, then the bin
+// select's and the emit's, each loading the row's scores again), both
+// changes: Llama-3-8B b1 512K 83.7 -> 76.3, 1M 124.2 -> 117.5; Llama-2-7B b1
+// 512K 202.9 -> 193.9, 1M 368.9 -> 360.7.
 // Rows of 4K-16K keys stay with the one-block top-K, faster there (b1 128K
 // 32.3 against 45.9 us through these phases).
 constexpr int kEmitThreads = 256;
@@ -1491,6 +1493,17 @@ int ResidentBlocksPerSm() {
   return blocks[dev];
 }
 
+// QUESTKV_SPLIT_LONG_ROWS=1: never LongRowKernel. Its blocks wait for each
+// other, so it assumes they can all become resident; another stream's kernel
+// that held SMs while waiting for this stream's later work would stall it.
+bool SplitLongRowsForced() {
+  static const bool on = [] {
+    const char* v = std::getenv("QUESTKV_SPLIT_LONG_ROWS");
+    return v && v[0] == '1';
+  }();
+  return on;
+}
+
 // The top-K kernels' largest key cache (beside their ~19 KiB of static shared memory).
 template <auto kKernel>
 cudaError_t AllowKeyCache() {
@@ -1660,7 +1673,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     // a block that cannot start.
     const long long resident = (long long)ResidentBlocksPerSm<LongRowKernel, kEmitThreads>() *
                                std::max(1, plan.score_blocks / kScoreBlocksPerSm);
-    if (!plan.split_long_rows && (long long)chunks * rows <= resident) {
+    if (!plan.split_long_rows && !SplitLongRowsForced() && (long long)chunks * rows <= resident) {
       if (const cudaError_t e = LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
           e != cudaSuccess)
         return e;
