@@ -1472,23 +1472,29 @@ cudaError_t AllowDynamicSmem() {
   });
   return error[dev];
 }
-// Blocks of kKernel (kThreads threads, static shared memory only) that one
-// multiprocessor holds, once per device; 0 when the query fails.
+// Blocks of kKernel (kThreads threads, static shared memory only) that the
+// current device holds at once: its occupancy a multiprocessor times the
+// device's own multiprocessor count (not the caller's num_sms: a grid sized
+// by a wrong count must not be taken for resident). Once per device; 0 when
+// a query fails.
 template <auto kKernel, int kThreads>
-int ResidentBlocksPerSm() {
+long long ResidentBlocks() {
   constexpr int kMaxDevices = 64;
   static std::once_flag once[kMaxDevices];
-  static int blocks[kMaxDevices] = {};
+  static long long blocks[kMaxDevices] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev >= kMaxDevices) {
     (void)cudaGetLastError();
     return 0;
   }
   std::call_once(once[dev], [dev] {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks[dev], kKernel, kThreads, 0) != cudaSuccess) {
+    int per_sm = 0, sms = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       (void)cudaGetLastError();
-      blocks[dev] = 0;
+      per_sm = sms = 0;
     }
+    blocks[dev] = (long long)per_sm * sms;
   });
   return blocks[dev];
 }
@@ -1671,9 +1677,8 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     // One launch when every block of the grid is resident at once: a row's
     // blocks wait for each other at its row-wide steps, so none may wait for
     // a block that cannot start.
-    const long long resident = (long long)ResidentBlocksPerSm<LongRowKernel, kEmitThreads>() *
-                               std::max(1, plan.score_blocks / kScoreBlocksPerSm);
-    if (!plan.split_long_rows && !SplitLongRowsForced() && (long long)chunks * rows <= resident) {
+    if (!plan.split_long_rows && !SplitLongRowsForced() &&
+        (long long)chunks * rows <= ResidentBlocks<LongRowKernel, kEmitThreads>()) {
       if (const cudaError_t e = LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
           e != cudaSuccess)
         return e;
