@@ -241,7 +241,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   ss.local_pages = 8;
   SelectPlan splan;
   if (!PlanSelect(ss, counts.data(), g_sms, &splan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
-  splan.split_long_rows = g_split_long_rows;
+  if (g_split_long_rows) splan.split_long_rows = true;  // else PlanSelect's (QUESTKV_SPLIT_LONG_ROWS)
   const int cap = splan.out_indptr[1];
   Dev d_oind(splan.out_indptr.size() * 4), d_pages(size_t(splan.out_indptr.back()) * 4),
       d_slots(size_t(splan.out_indptr.back()) * 4), d_count(rows * 4), sws(splan.workspace_bytes);

@@ -108,7 +108,8 @@ struct SelectPlan {
   int score_blocks = 0;   // grid of the score kernel
   int key_cache = 0;      // keys the top-K block keeps in shared memory
   // Rows of more than 16K pages: their top-K phases one launch each even when
-  // the one-launch kernel's grid would be resident at once (tests run both).
+  // the one-launch kernel's grid would be resident at once. PlanSelect sets it
+  // when QUESTKV_SPLIT_LONG_ROWS=1; tests and the bench set it to run both.
   bool split_long_rows = false;
 };
 // page_counts: host copy of each sequence's number of pages (>= 1).

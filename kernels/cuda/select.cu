@@ -1499,9 +1499,10 @@ long long ResidentBlocks() {
   return blocks[dev];
 }
 
-// QUESTKV_SPLIT_LONG_ROWS=1: never LongRowKernel. Its blocks wait for each
-// other, so it assumes they can all become resident; another stream's kernel
-// that held SMs while waiting for this stream's later work would stall it.
+// QUESTKV_SPLIT_LONG_ROWS=1: PlanSelect's default for SelectPlan::split_long_rows
+// (never LongRowKernel). Its blocks wait for each other, so it assumes they can
+// all become resident; another stream's kernel that held SMs while waiting for
+// this stream's later work would stall it.
 bool SplitLongRowsForced() {
   static const bool on = [] {
     const char* v = std::getenv("QUESTKV_SPLIT_LONG_ROWS");
@@ -1607,6 +1608,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
                                   : 0);
   plan->score_blocks = std::max(1, num_sms) * kScoreBlocksPerSm;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
+  plan->split_long_rows = SplitLongRowsForced();
   return true;
 }
 
@@ -1677,8 +1679,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
     // One launch when every block of the grid is resident at once: a row's
     // blocks wait for each other at its row-wide steps, so none may wait for
     // a block that cannot start.
-    if (!plan.split_long_rows && !SplitLongRowsForced() &&
-        (long long)chunks * rows <= ResidentBlocks<LongRowKernel, kEmitThreads>()) {
+    if (!plan.split_long_rows && (long long)chunks * rows <= ResidentBlocks<LongRowKernel, kEmitThreads>()) {
       if (const cudaError_t e = LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
           e != cudaSuccess)
         return e;
