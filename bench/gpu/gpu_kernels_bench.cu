@@ -2,9 +2,11 @@
 //   copy     device-to-device copy bandwidth, the ceiling of this run
 //   attend   sparse decode attention over `budget` tokens of random slots
 //   select   summary scan + top-K at long contexts
-//   step     one layer's Quest step (select + attend) vs the same attention
-//            kernel over every page (dense), with the ideal 1/rho; launched
-//            one by one, and replayed as a CUDA graph (as the runtime runs it)
+//   step     one layer's Quest step vs the same attention kernel over every
+//            page (dense), with the ideal 1/rho; launched one by one, and
+//            replayed as a CUDA graph (as the runtime runs it). The whole
+//            step is the runtime's: append + select + resolve + attend; the
+//            select + attend column (select emitting slots) is kept beside it
 // Each timed call follows a 512 MiB L2-flushing memset (untimed); figures are
 // medians of --reps calls after warm-up. Writes JSON lines to --json and
 // prints a table last. Inputs are fresh hash-random numbers (never zeros).
@@ -187,6 +189,9 @@ void BenchAttend(Timer& tm, int reps, const std::string& only_geo = {}, const st
 struct StepResult {
   double select_us, attend_us, step_us, dense_us, summary_bytes;
   double step_graph_us, dense_graph_us;  // the same launches captured once in a CUDA graph, its replays timed
+  // The whole step as the runtime runs it: append + select + resolve + attend
+  // (whole_*), and its append and resolve alone.
+  double append_us, resolve_us, whole_us, whole_graph_us;
 };
 
 // Median microseconds of replays of the graph that captures enqueue(stream)
@@ -290,6 +295,120 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
     CHECK(LaunchSelect(splan, sp, st));
     CHECK(RunAttend(aplan, ap, st));
   });
+
+  // The whole step as runtime/cuda_backend.cc runs a decode layer (DESIGN.md
+  // §4): append one new token a sequence into its tail page (the page's
+  // summary folded), select pages only, resolve them against hbm_slot (every
+  // head-page resident: all hits, with the runtime's plan: misses filled in
+  // the attention, 16 MiB of staging), attend the resolved slots with the
+  // tail's valid length. The append writes the same token at every call, so
+  // every call sees the same K/V and summaries.
+  void* const kv_pool = dense ? pool.p : spool.p;
+  const size_t pool_slots = dense ? head_pages : sparse_slots;
+  Dev knew(size_t(rows) * D * 2), vnew(size_t(rows) * D * 2);
+  FillHalf<<<64, 256>>>(knew.as<__half>(), knew.bytes / 2, 15);
+  FillHalf<<<64, 256>>>(vnew.as<__half>(), vnew.bytes / 2, 16);
+  std::vector<int32_t> app_indptr(batch + 1), start_pos(batch, n * S - 1), last_len(batch, S);
+  for (int b = 0; b <= batch; ++b) app_indptr[b] = b;
+  Dev d_app(app_indptr.size() * 4), d_start(size_t(batch) * 4), d_last(size_t(batch) * 4);
+  CHECK(cudaMemcpy(d_app.p, app_indptr.data(), app_indptr.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_start.p, start_pos.data(), start_pos.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_last.p, last_len.data(), last_len.size() * 4, cudaMemcpyHostToDevice));
+  AppendParams app;
+  app.kv_dtype = DType::kF16;
+  app.summary_dtype = DType::kF16;
+  app.batch = batch;
+  app.kv_heads = H;
+  app.page_size = S;
+  app.head_dim = D;
+  app.max_new_tokens = 1;
+  app.append_indptr = d_app.as<int32_t>();
+  app.start_pos = d_start.as<int32_t>();
+  app.page_indptr = d_pind.as<int32_t>();
+  app.page_ids = d_ids.as<uint32_t>();
+  app.hbm_slot = d_hbm.as<int32_t>();
+  app.k = knew.p;
+  app.v = vnew.p;
+  app.slots = kv_pool;
+  app.summaries = summ.p;
+  SelectParams wsp = sp;  // pages only: the resolve names the slots
+  wsp.hbm_slot = nullptr;
+  wsp.out_slots = nullptr;
+  const size_t piece = size_t(S) * D * 2;
+  const ResolveShape rshape{batch, H, S, D, DType::kF16, ColdPolicy::kDeadline, true, int((16u << 20) / (2 * piece))};
+  ResolvePlan rplan;
+  const int entries = splan.out_indptr.back();
+  if (!PlanResolve(rshape, entries, 0, g_sms, g_sms, &rplan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
+  constexpr int kQueue = 1024;
+  Dev last_use(pool_slots * 8), pinned(pool_slots), slot_page(pool_slots * 4), slot_head(pool_slots * 4),
+      host_addr(size_t(batch) * n * sizeof(void*)), part_indptr(size_t(batch + 1) * 4), res_slots(size_t(entries) * 4),
+      res_count(size_t(rows) * 4), queues(2 * kQueue * sizeof(ResolveRequest) + 8), counters(sizeof(ResolveCounters)),
+      rws(rplan.workspace_bytes), o2(o.bytes);
+  CHECK(cudaMemset(slot_page.p, 0xFF, slot_page.bytes));  // free: an all-hit step never reads it
+  ResolveParams rp;
+  rp.step = 1;
+  rp.page_indptr = d_pind.as<int32_t>();
+  rp.page_ids = d_ids.as<uint32_t>();
+  rp.sel_indptr = d_oind.as<int32_t>();
+  rp.sel_count = d_count.as<int32_t>();
+  rp.sel_pages = d_pages.as<int32_t>();
+  rp.host_addr = host_addr.as<const void* const>();
+  rp.hbm_slot = d_hbm.as<int32_t>();
+  rp.slot_page = slot_page.as<uint32_t>();
+  rp.slot_head = slot_head.as<int32_t>();
+  rp.slot_last_use = last_use.as<int64_t>();
+  rp.slot_pinned = pinned.as<uint8_t>();
+  rp.part_indptr = part_indptr.as<int32_t>();  // empty lists: no miss to place
+  rp.part_slots = nullptr;
+  rp.slots = kv_pool;
+  rp.out_slots = res_slots.as<int32_t>();
+  rp.out_count = res_count.as<int32_t>();
+  char* qb = queues.as<char>();
+  rp.cold = reinterpret_cast<ResolveRequest*>(qb);
+  rp.bypass = reinterpret_cast<ResolveRequest*>(qb + kQueue * sizeof(ResolveRequest));
+  rp.cold_count = reinterpret_cast<int32_t*>(qb + 2 * kQueue * sizeof(ResolveRequest));
+  rp.bypass_count = rp.cold_count + 1;
+  rp.queue_capacity = kQueue;
+  rp.counters = counters.as<ResolveCounters>();
+  rp.workspace = rws.p;
+  AttendParams wap = ap;
+  wap.count = res_count.as<int32_t>();
+  wap.slot_ids = res_slots.as<int32_t>();
+  wap.last_len = d_last.as<int32_t>();
+  wap.fills = ResolveFills(rplan, rws.p).jobs;
+  wap.o = o2.p;
+  auto whole = [&](cudaStream_t st) {
+    CHECK(LaunchAppend(app, st));
+    CHECK(LaunchSelect(splan, wsp, st));
+    CHECK(LaunchResolve(rplan, rp, st));
+    CHECK(RunAttend(aplan, wap, st));
+  };
+  // Correctness before speed: after an append the select + attend above
+  // (slots from the select) and the whole step (slots from the resolve) read
+  // the same head-pages in the same order, so their outputs agree bit for
+  // bit, and the resolve found every selected head-page resident.
+  whole(nullptr);
+  CHECK(LaunchSelect(splan, sp, nullptr));
+  CHECK(RunAttend(aplan, ap, nullptr));
+  {
+    std::vector<uint8_t> a(o.bytes), b(o.bytes);
+    std::vector<int32_t> c1(rows), c2(rows);
+    CHECK(cudaMemcpy(a.data(), o.p, o.bytes, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(b.data(), o2.p, o.bytes, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(c1.data(), d_count.p, rows * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(c2.data(), res_count.p, rows * 4, cudaMemcpyDeviceToHost));
+    ResolveCounters rc;
+    CHECK(cudaMemcpy(&rc, counters.p, sizeof rc, cudaMemcpyDeviceToHost));
+    if (a != b || c1 != c2 || rc.hits != rc.selected || rc.selected == 0) {
+      std::fprintf(stderr, "whole step %s b=%d ctx=%lld: outputs or counts differ from select + attend (hits %llu of %llu)\n",
+                   g.name, batch, context, rc.hits, rc.selected);
+      std::exit(1);
+    }
+  }
+  r.append_us = tm.MedianUs(reps, [&] { CHECK(LaunchAppend(app, nullptr)); });
+  r.resolve_us = tm.MedianUs(reps, [&] { CHECK(LaunchResolve(rplan, rp, nullptr)); });
+  r.whole_us = tm.MedianUs(reps, [&] { whole(nullptr); });
+  r.whole_graph_us = GraphUs(tm, reps, whole);
   if (dense) {
     std::vector<int32_t> dind(rows + 1);
     for (int i = 0; i <= rows; ++i) dind[i] = i * n;
@@ -330,14 +449,20 @@ void BenchSteps(Timer& tm, int reps) {
         const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
         Json("{\"bench\":\"step\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
              "\"attend_us\":%.2f,\"step_us\":%.2f,\"dense_us\":%.2f,\"dense_tb_s\":%.3f,\"select_summary_tb_s\":%.3f,"
-             "\"speedup\":%.3f,\"ideal\":%.3f,\"step_graph_us\":%.2f,\"dense_graph_us\":%.2f,\"speedup_graph\":%.3f}",
+             "\"speedup\":%.3f,\"ideal\":%.3f,\"step_graph_us\":%.2f,\"dense_graph_us\":%.2f,\"speedup_graph\":%.3f,"
+             "\"append_us\":%.2f,\"resolve_us\":%.2f,\"whole_us\":%.2f,\"whole_graph_us\":%.2f,\"whole_speedup\":%.3f,"
+             "\"whole_speedup_graph\":%.3f}",
              g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, r.dense_us, dense_tbs, sel_tbs, speedup,
-             1.0 / rho, r.step_graph_us, r.dense_graph_us, r.dense_graph_us / r.step_graph_us);
-        char line[400];
+             1.0 / rho, r.step_graph_us, r.dense_graph_us, r.dense_graph_us / r.step_graph_us, r.append_us,
+             r.resolve_us, r.whole_us, r.whole_graph_us, r.dense_us / r.whole_us, r.dense_graph_us / r.whole_graph_us);
+        char line[512];
         std::snprintf(line, sizeof line,
-                      "step    %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  dense %8.1f us (%4.2f TB/s)  speedup %5.2fx ideal %5.2fx  graph: step %7.1f dense %8.1f %5.2fx",
-                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us, r.dense_us, dense_tbs, speedup,
-                      1.0 / rho, r.step_graph_us, r.dense_graph_us, r.dense_graph_us / r.step_graph_us);
+                      "step    %-9s b=%-2d ctx=%-7lld append %5.1f select %7.1f us (%4.2f TB/s) resolve %5.1f attend %6.1f  "
+                      "whole %7.1f (select+attend %7.1f)  dense %8.1f us (%4.2f TB/s)  speedup %5.2fx ideal %5.2fx  "
+                      "graph: whole %7.1f dense %8.1f %5.2fx",
+                      g.name, batch, ctx, r.append_us, r.select_us, sel_tbs, r.resolve_us, r.attend_us, r.whole_us,
+                      r.step_us, r.dense_us, dense_tbs, r.dense_us / r.whole_us, 1.0 / rho, r.whole_graph_us,
+                      r.dense_graph_us, r.dense_graph_us / r.whole_graph_us);
         g_table.push_back(line);
       }
   // Select alone where the dense pool would not fit.
@@ -349,11 +474,16 @@ void BenchSteps(Timer& tm, int reps) {
         const StepResult r = BenchStep(tm, g, batch, ctx, budget, reps, false);
         const double sel_tbs = r.summary_bytes / r.select_us / 1e6;
         Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"budget\":%d,\"select_us\":%.2f,"
-             "\"attend_us\":%.2f,\"step_us\":%.2f,\"select_summary_tb_s\":%.3f,\"step_graph_us\":%.2f}",
-             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, sel_tbs, r.step_graph_us);
-        char line[256];
-        std::snprintf(line, sizeof line, "select  %-9s b=%-2d ctx=%-7lld select %7.1f us (%4.2f TB/s) attend %6.1f  step %7.1f  graph step %7.1f  (no dense: KV > 40 GB)",
-                      g.name, batch, ctx, r.select_us, sel_tbs, r.attend_us, r.step_us, r.step_graph_us);
+             "\"attend_us\":%.2f,\"step_us\":%.2f,\"select_summary_tb_s\":%.3f,\"step_graph_us\":%.2f,"
+             "\"append_us\":%.2f,\"resolve_us\":%.2f,\"whole_us\":%.2f,\"whole_graph_us\":%.2f}",
+             g.name, batch, ctx, budget, r.select_us, r.attend_us, r.step_us, sel_tbs, r.step_graph_us, r.append_us,
+             r.resolve_us, r.whole_us, r.whole_graph_us);
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      "select  %-9s b=%-2d ctx=%-7lld append %5.1f select %7.1f us (%4.2f TB/s) resolve %5.1f attend %6.1f  "
+                      "whole %7.1f (select+attend %7.1f)  graph whole %7.1f  (no dense: KV > 40 GB)",
+                      g.name, batch, ctx, r.append_us, r.select_us, sel_tbs, r.resolve_us, r.attend_us, r.whole_us,
+                      r.step_us, r.whole_graph_us);
         g_table.push_back(line);
       }
 }
@@ -398,11 +528,15 @@ int main(int argc, char** argv) {
         for (long long ctx : select_contexts) {
           if (!select_geo.empty() && select_geo != g.name) continue;
           const StepResult r = BenchStep(tm, g, batch, ctx, 2048, reps, false);
-          std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f  graph step %7.1f\n", g.name,
-                      batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us);
+          std::printf("select  %-9s b=%-2d ctx=%-7lld select %7.1f us  attend %6.1f  step %7.1f  graph step %7.1f  "
+                      "append %5.1f resolve %5.1f whole %7.1f graph whole %7.1f\n",
+                      g.name, batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us, r.append_us,
+                      r.resolve_us, r.whole_us, r.whole_graph_us);
           Json("{\"bench\":\"select\",\"geometry\":\"%s\",\"batch\":%d,\"context\":%lld,\"select_us\":%.2f,"
-               "\"attend_us\":%.2f,\"step_us\":%.2f,\"step_graph_us\":%.2f}",
-               g.name, batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us);
+               "\"attend_us\":%.2f,\"step_us\":%.2f,\"step_graph_us\":%.2f,\"append_us\":%.2f,\"resolve_us\":%.2f,"
+               "\"whole_us\":%.2f,\"whole_graph_us\":%.2f}",
+               g.name, batch, ctx, r.select_us, r.attend_us, r.step_us, r.step_graph_us, r.append_us, r.resolve_us,
+               r.whole_us, r.whole_graph_us);
         }
     std::fclose(g_json);
     return 0;
