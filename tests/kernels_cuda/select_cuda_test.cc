@@ -240,7 +240,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // Rows of 1025..2048 pages past the fused select's limits (SelectShortRow
                       // too): Llama-3-8B at 32K, and a ragged pair with many equal kMean scores.
                       SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 2048},
-                      SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, F16, BF16, true, false, 1500}));
+                      SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, F16, BF16, true, false, 1500},
+                      // The staged score kernel's query stage (G * D <= 128) and 16-bit select
+                      // masks: Llama-2-7B's G = 1, D = 128 over a ragged batch, and kUnion's
+                      // per-head scores at G = 2 with many equal ones.
+                      SelectCase{7, 4, 1, 128, 16, 40, GqaAgg::kMax, F16, F16, false, false, 6000},
+                      SelectCase{3, 2, 2, 64, 16, 50, GqaAgg::kUnion, BF16, BF16, true, false, 3000}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
