@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/cuda/common.cuh"
+
 #define CHECK(x)                                                             \
   do {                                                                       \
     const cudaError_t e_ = (x);                                              \
@@ -28,6 +30,9 @@
   } while (0)
 
 namespace {
+
+using questkv::kernels::cuda::CommitCopies;
+using questkv::kernels::cuda::WaitCopies;
 
 constexpr unsigned kNever = 0x12345678u;  // folded data never equals it: keeps the loads alive
 
@@ -43,13 +48,12 @@ __global__ void LdgKernel(const uint4* __restrict__ p, size_t n, unsigned* out) 
   if (acc == kNever) *out = acc;
 }
 
+// The plain cp.async form (the kernels' CopyAsync16 passes a source size for
+// zero-filling; measured the same, bench/results/2026-12-04-gpu-session-23.md).
 __device__ __forceinline__ void Copy16(void* dst, const void* src) {
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
 }
-__device__ __forceinline__ void Commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void Wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 // Stage k of a warp: 8 KiB, 16 cp.async pieces a lane. kMode 0: contiguous
 // stages. kMode 1: the score pattern, group g = (chunk of 32 pages, head h),
@@ -81,13 +85,13 @@ __global__ void __launch_bounds__(kWarps * 32) RingKernel(const char* __restrict
   auto issue = [&](size_t k) {
     if (stage(k) < stages)
       for (int m = 0; m < 16; ++m) Copy16(&buf[w][k % kStages][(m * 32 + lane) * 16], Piece<kMode>(p, stage(k), m, lane));
-    Commit();
+    CommitCopies();
   };
   for (int k = 0; k < kStages - 1; ++k) issue(k);
   unsigned acc = 0;
   for (size_t k = 0; stage(k) < stages; ++k) {
     issue(k + kStages - 1);
-    Wait<kStages - 1>();
+    WaitCopies<kStages - 1>();
     __syncwarp();
     for (int m = 0; m < 16; ++m) acc ^= reinterpret_cast<const uint4*>(buf[w][k % kStages])[m * 32 + lane].x;
     __syncwarp();  // read before a later issue refills it
