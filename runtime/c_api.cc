@@ -50,6 +50,7 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.cold_miss = static_cast<questkv::ColdMissPolicy>(c.cold_miss);
   cfg.backend = static_cast<questkv::Backend>(c.backend);
   cfg.geometry.dtype = static_cast<questkv::DType>(c.dtype);
+  cfg.geometry.summary_dtype = static_cast<questkv::SummaryDType>(c.summary_dtype);
   return cfg;
 }
 
@@ -59,6 +60,8 @@ questkv::Status CheckEnums(const qkv_config& c) {
     return questkv::Status::InvalidArgument("unknown cold-miss policy");
   if (c.backend < QKV_BACKEND_CPU || c.backend > QKV_BACKEND_CUDA) return questkv::Status::InvalidArgument("unknown backend");
   if (c.dtype < QKV_DTYPE_F32 || c.dtype > QKV_DTYPE_BF16) return questkv::Status::InvalidArgument("unknown dtype");
+  if (c.summary_dtype < QKV_SUMMARY_KV || c.summary_dtype > QKV_SUMMARY_E4M3)
+    return questkv::Status::InvalidArgument("unknown summary dtype");
   if (c.num_dense_layers < 0 || (c.num_dense_layers > 0 && !c.dense_layers))
     return questkv::Status::InvalidArgument("dense_layers is null or num_dense_layers negative");
   return questkv::Status::Ok();
@@ -83,6 +86,7 @@ void qkv_config_default(qkv_config* c) {
   c->cold_miss = QKV_COLD_MISS_STRICT;
   c->backend = QKV_BACKEND_CPU;
   c->dtype = QKV_DTYPE_F32;
+  c->summary_dtype = QKV_SUMMARY_KV;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

@@ -26,6 +26,20 @@ Result<DType> ParseDType(std::string_view s) {
   return Status::InvalidArgument("unknown dtype '" + std::string(s) + "' (f32, f16, bf16)");
 }
 
+std::string_view SummaryDTypeName(SummaryDType d) {
+  switch (d) {
+    case SummaryDType::kKv: return "kv";
+    case SummaryDType::kE4M3: return "e4m3";
+  }
+  return "?";
+}
+
+Result<SummaryDType> ParseSummaryDType(std::string_view s) {
+  if (s == "kv") return SummaryDType::kKv;
+  if (s == "e4m3" || s == "fp8" || s == "f8e4m3") return SummaryDType::kE4M3;
+  return Status::InvalidArgument("unknown summary dtype '" + std::string(s) + "' (kv, e4m3)");
+}
+
 Status Geometry::Validate() const {
   if (layers < 1 || layers > 1024) return Status::InvalidArgument(Field("layers", layers, "must be in 1..1024"));
   if (kv_heads < 1 || kv_heads > 1024) return Status::InvalidArgument(Field("kv_heads", kv_heads, "must be in 1..1024"));
@@ -35,12 +49,17 @@ Status Geometry::Validate() const {
                                    std::to_string(kv_heads));
   if (head_dim < 1 || head_dim > 512) return Status::InvalidArgument(Field("head_dim", head_dim, "must be in 1..512"));
   if (page_size < 1 || page_size > 1024) return Status::InvalidArgument(Field("page_size", page_size, "must be in 1..1024"));
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
+    return Status::InvalidArgument(Field("dtype", int(dtype), "must be f32, f16 or bf16"));
+  if (summary_dtype != SummaryDType::kKv && summary_dtype != SummaryDType::kE4M3)
+    return Status::InvalidArgument(Field("summary_dtype", int(summary_dtype), "must be kv or e4m3"));
   return Status::Ok();
 }
 
 std::string Geometry::ToString() const {
   return "L" + std::to_string(layers) + " Hq" + std::to_string(q_heads) + " Hkv" + std::to_string(kv_heads) + " D" +
-         std::to_string(head_dim) + " S" + std::to_string(page_size) + " " + std::string(DTypeName(dtype));
+         std::to_string(head_dim) + " S" + std::to_string(page_size) + " " + std::string(DTypeName(dtype)) +
+         (summary_dtype == SummaryDType::kKv ? "" : " " + std::string(SummaryDTypeName(summary_dtype)) + " summaries");
 }
 
 std::string_view GqaModeName(GqaMode m) {

@@ -19,6 +19,15 @@ std::string_view DTypeName(DType d);
 Result<DType> ParseDType(std::string_view s);
 inline std::size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
+// How page summaries are stored. kKv: in the K/V dtype (f32 on the CPU
+// backend), exact for keys stored in it. kE4M3: 8-bit codes rounded outward
+// (kernels/e4m3.h), a quarter of f32's bytes and half of f16's for the
+// select to scan; scores stay upper bounds, only looser. The CPU backend
+// keeps those values as f32 (same selections, not the smaller footprint).
+enum class SummaryDType : uint8_t { kKv, kE4M3 };
+std::string_view SummaryDTypeName(SummaryDType d);
+Result<SummaryDType> ParseSummaryDType(std::string_view s);
+
 // Shape of the KV cache of one model.
 struct Geometry {
   int layers = 4;
@@ -27,6 +36,7 @@ struct Geometry {
   int head_dim = 64;
   int page_size = 16;  // S, tokens per page
   DType dtype = DType::kF32;
+  SummaryDType summary_dtype = SummaryDType::kKv;
 
   int group() const { return q_heads / kv_heads; }  // G query heads per KV head
   // Elements of one head-page's K (or V): S*D.
@@ -38,7 +48,7 @@ struct Geometry {
   std::size_t summary_elems() const { return 2 * std::size_t(kv_heads) * head_dim; }
 
   Status Validate() const;
-  std::string ToString() const;  // "L4 Hq8 Hkv2 D64 S16 f32"
+  std::string ToString() const;  // "L4 Hq8 Hkv2 D64 S16 f32", then " e4m3 summaries" if so
 };
 
 enum class GqaMode : uint8_t { kMax, kMean, kUnion };

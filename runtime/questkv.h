@@ -37,6 +37,9 @@ typedef enum { QKV_COLD_MISS_STRICT = 0, QKV_COLD_MISS_DEADLINE = 1 } qkv_cold_m
 typedef enum { QKV_BACKEND_CPU = 0, QKV_BACKEND_CUDA = 1 } qkv_backend;
 /* The model dtype of K/V (and of the device pointers of the *_device calls). */
 typedef enum { QKV_DTYPE_F32 = 0, QKV_DTYPE_F16 = 1, QKV_DTYPE_BF16 = 2 } qkv_dtype;
+/* How page summaries are stored: in the K/V dtype, or as 8-bit E4M3 codes
+   rounded outward (half of f16's bytes for the select to scan). */
+typedef enum { QKV_SUMMARY_KV = 0, QKV_SUMMARY_E4M3 = 1 } qkv_summary_dtype;
 
 typedef struct {
   /* geometry */
@@ -56,6 +59,7 @@ typedef struct {
   /* where the data plane runs; the CPU backend needs QKV_DTYPE_F32 */
   qkv_backend backend;
   qkv_dtype dtype;
+  qkv_summary_dtype summary_dtype;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

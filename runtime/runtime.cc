@@ -101,6 +101,17 @@ struct Runtime::Impl {
   void ReleaseAll(const std::vector<PageId>& pages) {
     for (PageId id : pages) Release(id);
   }
+  // Bytes of one stored summary element: f32 on the CPU backend; on the
+  // CUDA backend the model dtype, or one byte for E4M3 codes.
+  std::size_t SummaryElemBytes() const {
+    if (!cuda) return sizeof(float);
+    return g.summary_dtype == SummaryDType::kE4M3 ? 1 : DTypeBytes(g.dtype);
+  }
+  // After every fold or rebuild of a CPU-backend summary: with E4M3
+  // summaries, its bounds rounded outward onto the grid.
+  void SnapSummary(PageId id) {
+    if (g.summary_dtype == SummaryDType::kE4M3) kernels::SnapSummaryE4m3Cpu(summaries->page(id), g.kv_heads, g.head_dim);
+  }
   // Head h's K rows of a tail page (V rows follow at +S*D).
   float* TailHead(PageId id, int h) { return hbm->data(hbm->Lookup(id, h)); }
 
@@ -129,6 +140,7 @@ struct Runtime::Impl {
       k_heads[h] = slot;
     }
     kernels::RebuildSummaryHeadsCpu(k_heads, summaries->page(dst), g.kv_heads, g.head_dim, len);
+    SnapSummary(dst);
     return dst;
   }
 
@@ -179,6 +191,7 @@ struct Runtime::Impl {
       }
       kernels::AppendTokensHeadsCpu(k_heads, v_heads, summaries->page(id), g.kv_heads, g.head_dim, offset,
                                     k + done * row, v + done * row, take);
+      SnapSummary(id);
       done += take;
       list.tokens += take;
       if (offset + take == g.page_size && id != first) Seal(id);
@@ -197,6 +210,7 @@ struct Runtime::Impl {
     for (int h = 0; h < g.kv_heads; ++h) k_heads[h] = TailHead(tail, h);
     kernels::RebuildSummaryHeadsCpu(k_heads, summaries->page(tail), g.kv_heads, g.head_dim,
                                     int(old_tokens % g.page_size));
+    SnapSummary(tail);
   }
 
   // The sequence an append of n tokens of k, v (host or device) goes to.
@@ -249,7 +263,7 @@ struct Runtime::Impl {
         const int64_t pages = int64_t(l->pages.size());
         stats->head_pages_total += pages * g.kv_heads;
         if (!dense && !config.policy.is_dense(layer) && pages_budget < pages)
-          stats->summary_bytes_read += pages * int64_t(g.summary_elems() * DTypeBytes(g.dtype));
+          stats->summary_bytes_read += pages * int64_t(g.summary_elems() * SummaryElemBytes());
       }
       // Whole head-pages (a tail is counted whole): what the kernel reads.
       stats->kv_bytes_read += selected * int64_t(2 * g.head_page_elems() * DTypeBytes(g.dtype));
@@ -529,6 +543,7 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     const float* k_heads[kernels::kMaxKvHeads];
     for (int h = 0; h < I.g.kv_heads; ++h) k_heads[h] = I.TailHead(tail, h);
     kernels::RebuildSummaryHeadsCpu(k_heads, I.summaries->page(tail), I.g.kv_heads, I.g.head_dim, int(keep % S));
+    I.SnapSummary(tail);
   }
   if (I.cuda)
     for (int l = 0; l < I.g.layers; ++l) QKV_RETURN_IF_ERROR(I.cuda->SetPages(s->partitions[l], s->layers[l].pages));
@@ -744,7 +759,7 @@ Result<std::vector<float>> Runtime::Scores(SeqId seq, int layer, const float* q)
   }
   for (int h = 0; h < g.kv_heads; ++h)
     kernels::ScorePagesCpu(q + std::size_t(h) * G * g.head_dim, G, g.head_dim, slab, g.kv_heads, h, ids, P,
-                           scores.data() + std::size_t(h) * G * P);
+                           scores.data() + std::size_t(h) * G * P, g.summary_dtype == SummaryDType::kE4M3);
   return scores;
 }
 
@@ -783,8 +798,7 @@ TierStats Runtime::tier_stats() const {
     const uint64_t ds = I.disk->slot_bytes();
     t.disk_capacity_bytes = d.slots_capacity * ds, t.disk_peak_bytes = d.slots_peak * ds, t.disk_used_bytes = d.slots_used * ds;
   }
-  // Summaries are f32 on the CPU backend, in the model dtype on the CUDA backend.
-  t.summary_bytes = uint64_t(I.ids.live_count()) * I.g.summary_elems() * (I.cuda ? DTypeBytes(I.g.dtype) : sizeof(float));
+  t.summary_bytes = uint64_t(I.ids.live_count()) * I.g.summary_elems() * I.SummaryElemBytes();
   return t;
 }
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "kernels/cpu/kernels_cpu.h"
+#include "kernels/e4m3.h"
 
 namespace questkv::kernels {
 namespace {
@@ -60,6 +61,27 @@ void ResetSummaryCpu(float* summary, int kv_heads, int head_dim) {
     for (int j = 0; j < head_dim; ++j) lo[j] = kInf;
     for (int j = 0; j < head_dim; ++j) hi[j] = -kInf;
   }
+}
+
+void SnapSummaryE4m3Cpu(float* summary, int kv_heads, int head_dim) {
+  for (int h = 0; h < kv_heads; ++h) {
+    float* lo = summary + std::size_t(h) * 2 * head_dim;
+    float* hi = lo + head_dim;
+    for (int j = 0; j < head_dim; ++j) lo[j] = e4m3::SnapDown(lo[j]);
+    for (int j = 0; j < head_dim; ++j) hi[j] = e4m3::SnapUp(hi[j]);
+  }
+}
+
+void EncodeSummaryE4m3Cpu(const float* summary, int kv_heads, int head_dim, uint8_t* codes) {
+  for (int h = 0; h < kv_heads; ++h) {
+    const std::size_t base = std::size_t(h) * 2 * head_dim;
+    for (int j = 0; j < head_dim; ++j) codes[base + j] = e4m3::RoundDown(summary[base + j]);
+    for (int j = head_dim; j < 2 * head_dim; ++j) codes[base + j] = e4m3::RoundUp(summary[base + j]);
+  }
+}
+
+void DecodeSummaryE4m3Cpu(const uint8_t* codes, std::size_t elems, float* out) {
+  for (std::size_t i = 0; i < elems; ++i) out[i] = e4m3::ToFloat(codes[i]);
 }
 
 void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_heads, int head_dim,

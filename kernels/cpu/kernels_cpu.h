@@ -45,6 +45,15 @@ void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page
 void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_heads, int head_dim,
                             int len);
 
+// Summaries on the E4M3 grid (kernels/e4m3.h): rounds every min of a summary
+// [Hkv][2][D] down and every max up, in place. Applied after each fold or
+// rebuild it keeps a summary equal to the rounding of its exact box.
+void SnapSummaryE4m3Cpu(float* summary, int kv_heads, int head_dim);
+
+// The same summary as codes (a snapped summary encodes exactly), and back.
+void EncodeSummaryE4m3Cpu(const float* summary, int kv_heads, int head_dim, uint8_t* codes);
+void DecodeSummaryE4m3Cpu(const uint8_t* codes, std::size_t elems, float* out);
+
 // ---- score -------------------------------------------------------------------
 
 // U_p(q) = Σ_j max(q_j·min_j, q_j·max_j) (eq. 2–3), unscaled, for G query heads
@@ -55,8 +64,12 @@ void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_
 //   slab      summary slab base, [PageId][Hkv][2][D]
 //   page_ids  [n] PageIds in logical order
 //   scores    [G][n] out
+// e4m3: the slab holds summaries on the E4M3 grid, whose ±inf mark bounds
+// beyond its range: a term whose chosen bound is infinite is NaN, as the
+// GPU's hardware decode of those codes makes it, and a NaN score is +inf, so
+// the head-page is always chosen and the bound still holds.
 void ScorePagesCpu(const float* q, int group, int head_dim, const float* slab, int kv_heads,
-                   int kv_head, const uint32_t* page_ids, int n, float* scores);
+                   int kv_head, const uint32_t* page_ids, int n, float* scores, bool e4m3 = false);
 
 // ---- top-K -------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: questkv run [flags]   (defaults in brackets)\n"
     "backend:   --backend cpu|cuda [cpu] --dtype f32|f16|bf16 [f32 on cpu, f16 on cuda]\n"
+    "           --summary-dtype kv|e4m3 [kv]: page summaries in the K/V dtype, or 8-bit codes rounded\n"
+    "           outward (scores stay upper bounds; half of f16's bytes to scan on cuda)\n"
     "           --no-cuda-graphs (launch every decode step directly instead of replaying graphs)\n"
     "           --gen gpu|host [gpu on cuda]: where the prefill's K/V are generated (the same values)\n"
     "           --decode-api device|host [device on cuda]: decode calls on device pointers enqueued\n"
@@ -39,6 +41,8 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(o.config.backend, ParseBackend(backend));
   QKV_ASSIGN_OR_RETURN(std::string dtype, f.String("dtype", o.config.backend == Backend::kCuda ? "f16" : "f32"));
   QKV_ASSIGN_OR_RETURN(g.dtype, ParseDType(dtype));
+  QKV_ASSIGN_OR_RETURN(std::string summary_dtype, f.String("summary-dtype", "kv"));
+  QKV_ASSIGN_OR_RETURN(g.summary_dtype, ParseSummaryDType(summary_dtype));
   o.config.cuda_graphs = !f.has("no-cuda-graphs");
   QKV_ASSIGN_OR_RETURN(std::string gen, f.String("gen", o.config.backend == Backend::kCuda ? "gpu" : "host"));
   if (gen != "gpu" && gen != "host") return Status::InvalidArgument("--gen: '" + gen + "' (gpu, host)");
@@ -131,7 +135,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
 }  // namespace
 
 int RunMain(int argc, char** argv) {
-  Flags flags({"backend", "dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
+  Flags flags({"backend", "dtype", "summary-dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms"},

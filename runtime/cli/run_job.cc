@@ -769,6 +769,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("head_dim", g.head_dim)
       .Field("page_size", g.page_size)
       .Field("dtype", DTypeName(g.dtype))
+      .Field("summary_dtype", SummaryDTypeName(g.summary_dtype))
       .EndObject();
   j.Field("workload", WorkloadKindName(o.workload)).Field("seed", o.seed).Field("batch", o.batch);
   j.Field("context_tokens", o.context_tokens).Field("decode_steps", o.decode_steps);

@@ -214,6 +214,77 @@ TEST(ScorePages, AddsPartialSumsPairwise) {
   }
 }
 
+// Summaries on the E4M3 grid: a snapped box holds the exact one, so each
+// score is at least the exact summary's (terms and sums are monotone), and
+// the snapped summary encodes to codes that decode to it exactly.
+TEST(ScorePages, E4m3SnappedSummariesScoreAtLeastExactOnes) {
+  constexpr int kD = 64, kPages = 50, kHkv = 2;
+  auto slab = test::RandomNormal(std::size_t(kPages) * kHkv * 2 * kD, 21, 0.f, 20.f);
+  for (std::size_t i = 0; i < slab.size(); i += 2 * kD)
+    for (int j = 0; j < kD; ++j)
+      if (slab[i + j] > slab[i + kD + j]) std::swap(slab[i + j], slab[i + kD + j]);
+  auto snapped = slab;
+  for (int p = 0; p < kPages; ++p) {
+    float* summary = snapped.data() + std::size_t(p) * kHkv * 2 * kD;
+    SnapSummaryE4m3Cpu(summary, kHkv, kD);
+    std::vector<uint8_t> codes(kHkv * 2 * kD);
+    std::vector<float> back(codes.size());
+    EncodeSummaryE4m3Cpu(summary, kHkv, kD, codes.data());
+    DecodeSummaryE4m3Cpu(codes.data(), codes.size(), back.data());
+    ASSERT_EQ(std::memcmp(back.data(), summary, back.size() * sizeof(float)), 0) << "page " << p;
+  }
+  std::vector<uint32_t> ids(kPages);
+  std::iota(ids.begin(), ids.end(), 0u);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int group = 1 + trial % 4;
+    const auto q = test::RandomNormal(std::size_t(group) * kD, 30 + trial);
+    for (int h = 0; h < kHkv; ++h) {
+      std::vector<float> exact(std::size_t(group) * kPages), e8(exact.size());
+      ScorePagesCpu(q.data(), group, kD, slab.data(), kHkv, h, ids.data(), kPages, exact.data());
+      ScorePagesCpu(q.data(), group, kD, snapped.data(), kHkv, h, ids.data(), kPages, e8.data(), true);
+      for (std::size_t i = 0; i < exact.size(); ++i) ASSERT_GE(e8[i], exact[i]) << "trial " << trial << " i " << i;
+    }
+  }
+}
+
+// A chosen infinite bound (a key beyond ±448, or the empty box) makes the
+// score +inf, also where q_j = 0; an infinite bound the query does not
+// choose leaves it finite.
+TEST(ScorePages, E4m3InfiniteChosenBoundScoresPlusInfinity) {
+  const float inf = INFINITY;
+  // One head-page of D = 9 (a tail beyond the 8 lanes too), boxes [-1, 1].
+  auto make = [](int j, float lo, float hi) {
+    std::vector<float> s(18, 0.f);
+    for (int i = 0; i < 9; ++i) s[i] = -1.f, s[9 + i] = 1.f;
+    s[j] = lo, s[9 + j] = hi;
+    return s;
+  };
+  const uint32_t id = 0;
+  auto score = [&](const std::vector<float>& slab, const std::vector<float>& q) {
+    float out;
+    ScorePagesCpu(q.data(), 1, 9, slab.data(), 1, 0, &id, 1, &out, true);
+    return out;
+  };
+  std::vector<float> q(9, 0.5f);
+  for (int j : {2, 8}) {
+    EXPECT_EQ(score(make(j, -1.f, inf), q), inf) << j;  // q_j > 0 chooses the max
+    q[j] = 0.f;
+    EXPECT_EQ(score(make(j, -1.f, inf), q), inf) << j;  // q_j = 0 chooses it too
+    q[j] = -0.5f;
+    EXPECT_EQ(score(make(j, -1.f, inf), q), 4.5f) << j;  // the min is chosen: 8 * 0.5 + 0.5
+    EXPECT_EQ(score(make(j, -inf, 1.f), q), inf) << j;
+    q[j] = 0.5f;
+  }
+  std::vector<float> empty(18);
+  for (int i = 0; i < 9; ++i) empty[i] = inf, empty[9 + i] = -inf;
+  EXPECT_EQ(score(empty, q), inf);
+  // Without the flag the same slab keeps the exact form's arithmetic.
+  float plain;
+  const auto slab = make(2, -1.f, inf);
+  ScorePagesCpu(q.data(), 1, 9, slab.data(), 1, 0, &id, 1, &plain);
+  EXPECT_EQ(plain, inf);
+}
+
 TEST(ScorePages, SeedHandExample) {
   const std::vector<float> q = {2, -1};
   const auto slab = SlabOf({{1, 4, 3, -2, -1, 1}, {3, 4, -1, -2}}, 3);

@@ -53,6 +53,15 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   cfg.backend = static_cast<qkv_backend>(5);
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   qkv_config_default(&cfg);
+  cfg.summary_dtype = static_cast<qkv_summary_dtype>(2);
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qkv_create_error()).find("summary dtype"), std::string::npos) << qkv_create_error();
+  qkv_config_default(&cfg);
+  EXPECT_EQ(cfg.summary_dtype, QKV_SUMMARY_KV);
+  cfg.summary_dtype = QKV_SUMMARY_E4M3;
+  ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();
+  qkv_destroy(rt);
+  qkv_config_default(&cfg);
   cfg.dtype = QKV_DTYPE_F16;  // the CPU backend stores f32
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_UNIMPLEMENTED);
   qkv_config_default(&cfg);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <map>
 
+#include "kernels/e4m3.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {
@@ -65,7 +66,8 @@ class RuntimeTest : public ::testing::Test {
     return out;
   }
 
-  // Brute-force summary of logical page p of a layer, compared to the runtime's.
+  // Brute-force summary of logical page p of a layer, compared to the runtime's
+  // (with E4M3 summaries, the exact box rounded outward onto the grid).
   void ExpectSummaries(SeqId id, int l) {
     auto pages = rt_->Pages(id, l);
     ASSERT_TRUE(pages.ok());
@@ -81,6 +83,7 @@ class RuntimeTest : public ::testing::Test {
             lo = std::min(lo, model_[id].k[l][t * row() + h * g().head_dim + j]);
             hi = std::max(hi, model_[id].k[l][t * row() + h * g().head_dim + j]);
           }
+          if (g().summary_dtype == SummaryDType::kE4M3) lo = e4m3::SnapDown(lo), hi = e4m3::SnapUp(hi);
           ASSERT_EQ((*s)[(h * 2 + 0) * g().head_dim + j], lo) << "page " << p << " head " << h << " dim " << j;
           ASSERT_EQ((*s)[(h * 2 + 1) * g().head_dim + j], hi) << "page " << p << " head " << h << " dim " << j;
         }
@@ -127,11 +130,13 @@ class RuntimeTest : public ::testing::Test {
   uint64_t seed_ = 100;
 };
 
-Geometry Geo(int S, int hq = 4, int hkv = 2, int D = 16, int layers = 2) {
+Geometry Geo(int S, int hq = 4, int hkv = 2, int D = 16, int layers = 2, SummaryDType sum = SummaryDType::kKv) {
   Geometry g;
   g.layers = layers, g.q_heads = hq, g.kv_heads = hkv, g.head_dim = D, g.page_size = S;
+  g.summary_dtype = sum;
   return g;
 }
+constexpr SummaryDType kSummaryDTypes[] = {SummaryDType::kKv, SummaryDType::kE4M3};
 SelectionPolicy Policy(int64_t budget, int sink = 1, int local = 1, std::vector<int> dense = {}) {
   SelectionPolicy p;
   p.token_budget = budget, p.sink_pages = sink, p.local_pages = local, p.dense_layers = std::move(dense);
@@ -139,8 +144,10 @@ SelectionPolicy Policy(int64_t budget, int sink = 1, int local = 1, std::vector<
 }
 
 TEST_F(RuntimeTest, AppendBuildsExactSummariesAndAttentionForOddSizes) {
+  for (SummaryDType sum : kSummaryDTypes)
   for (int S : {1, 3, 7, 16, 17}) {
-    Make(Geo(S), Policy(4 * S, 1, 1, {0}));
+    SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
+    Make(Geo(S, 4, 2, 16, 2, sum), Policy(4 * S, 1, 1, {0}));
     for (int64_t len : {int64_t(1), int64_t(S - 1), int64_t(S), int64_t(S + 1), int64_t(9 * S + 2)}) {
       if (len < 1) continue;
       SCOPED_TRACE("S=" + std::to_string(S) + " len=" + std::to_string(len));
@@ -197,7 +204,9 @@ TEST_F(RuntimeTest, BatchOfMixedLengthsMatchesEachSequenceAlone) {
 }
 
 TEST_F(RuntimeTest, ForkSharesSealedPagesAndCopiesTheTail) {
-  Make(Geo(8), Policy(32, 1, 1));
+  for (SummaryDType sum : kSummaryDTypes) {
+  SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
+  Make(Geo(8, 4, 2, 16, 2, sum), Policy(32, 1, 1));
   SeqId a = NewSeq();
   AppendRandom(a, 8 * 5 + 3);
   const uint32_t before = rt_->live_pages();
@@ -220,12 +229,14 @@ TEST_F(RuntimeTest, ForkSharesSealedPagesAndCopiesTheTail) {
   for (int l = 0; l < g().layers; ++l) ExpectAttention(*b, l);
   ASSERT_TRUE(rt_->Free(*b).ok());
   EXPECT_EQ(rt_->live_pages(), 0u);
+  }
 }
 
 TEST_F(RuntimeTest, RollbackIntoTailEqualsFreshRebuild) {
-  Make(Geo(8), Policy(32, 1, 1));
+  for (SummaryDType sum : kSummaryDTypes) {
+  Make(Geo(8, 4, 2, 16, 2, sum), Policy(32, 1, 1));
   for (int64_t drop : {1, 3, 8, 9, 20, 43}) {
-    SCOPED_TRACE("drop " + std::to_string(drop));
+    SCOPED_TRACE("drop " + std::to_string(drop) + ", " + std::string(SummaryDTypeName(sum)) + " summaries");
     SeqId id = NewSeq();
     AppendRandom(id, 43);
     ASSERT_TRUE(rt_->Rollback(id, drop).ok());
@@ -254,6 +265,7 @@ TEST_F(RuntimeTest, RollbackIntoTailEqualsFreshRebuild) {
     ASSERT_TRUE(rt_->Free(fresh).ok());
     EXPECT_EQ(rt_->live_pages(), 0u);
   }
+  }
 }
 
 TEST_F(RuntimeTest, RollbackIntoASharedSealedPageCopiesIt) {
@@ -280,7 +292,10 @@ TEST_F(RuntimeTest, RollbackIntoASharedSealedPageCopiesIt) {
 }
 
 TEST_F(RuntimeTest, ReusedPageIdsCarryNoStaleSummary) {
-  Make(Geo(8, 2, 1, 8, 1), Policy(16, 1, 1), 4);
+  for (SummaryDType sum : kSummaryDTypes) {
+  SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
+  model_.clear();
+  Make(Geo(8, 2, 1, 8, 1, sum), Policy(16, 1, 1), 4);
   SeqId a = NewSeq();
   // Extreme keys, then freed.
   std::vector<float> big(8 * 8 * 3, 1e6f), bigv(big.size(), 1.f);
@@ -296,6 +311,69 @@ TEST_F(RuntimeTest, ReusedPageIdsCarryNoStaleSummary) {
   std::sort(new_pages.begin(), new_pages.end());
   EXPECT_EQ(old_pages, new_pages) << "test premise: the ids are reused";
   ExpectSummaries(b, 0);
+  }
+}
+
+// E4M3 summaries: every page's score still bounds its best logit, is never
+// below the exact summary's score (the box only grows), and a page with a
+// key beyond ±448 scores +inf where the query leans on that bound, so a small
+// budget still picks it. Two runtimes get the same tokens, one per format.
+TEST_F(RuntimeTest, E4m3ScoresBoundEveryPageAndNeverUndercutExactOnes) {
+  const int S = 8, D = 16, hq = 4, hkv = 2;
+  Config exact_cfg;
+  exact_cfg.geometry = Geo(S, hq, hkv, D, 1);
+  exact_cfg.policy = Policy(3 * S, 1, 1);
+  Make(Geo(S, hq, hkv, D, 1, SummaryDType::kE4M3), Policy(3 * S, 1, 1));
+  auto exact = Runtime::Create(exact_cfg);
+  ASSERT_TRUE(exact.ok());
+  SeqId id = NewSeq();
+  auto id_exact = (*exact)->CreateSequence();
+  ASSERT_TRUE(id_exact.ok());
+  const int T = 20 * S + 5;
+  // Keys from 1e-3 to 10 in scale (inside the range), and one key of page 6 beyond it.
+  auto k = test::RandomNormal(std::size_t(T) * row(), 5);
+  for (int t = 0; t < T; ++t)
+    for (std::size_t e = 0; e < row(); ++e) k[t * row() + e] *= std::pow(10.f, float((t + e) % 5) - 3.f);
+  k[(6 * S + 3) * row() + 5] = 1000.f;  // head 0, dim 5
+  const auto v = test::RandomNormal(k.size(), 6);
+  ASSERT_TRUE(rt_->Append(id, 0, k.data(), v.data(), T).ok());
+  ASSERT_TRUE((*exact)->Append(*id_exact, 0, k.data(), v.data(), T).ok());
+  model_[id].k[0] = k;
+  model_[id].v[0] = v;
+  ExpectSummaries(id, 0);
+  for (int trial = 0; trial < 8; ++trial) {
+    auto q = test::RandomNormal(std::size_t(hq) * D, 50 + trial);
+    for (int qh = 0; qh < hq; ++qh) q[qh * D + 5] = trial % 2 ? 0.f : 0.5f;  // leans on (or ignores) dim 5
+    auto s8 = rt_->Scores(id, 0, q.data());
+    auto s32 = (*exact)->Scores(*id_exact, 0, q.data());
+    ASSERT_TRUE(s8.ok() && s32.ok());
+    const int P = (T + S - 1) / S;
+    for (int qh = 0; qh < hq; ++qh) {
+      const int h = qh / g().group();
+      for (int p = 0; p < P; ++p) {
+        double best = -INFINITY;
+        for (int t = p * S; t < std::min(T, (p + 1) * S); ++t) {
+          double dot = 0;
+          for (int j = 0; j < D; ++j) dot += double(q[qh * D + j]) * k[t * row() + h * D + j];
+          best = std::max(best, dot);
+        }
+        const float e8 = (*s8)[std::size_t(qh) * P + p], e32 = (*s32)[std::size_t(qh) * P + p];
+        ASSERT_GE(e8, e32) << "q head " << qh << " page " << p;
+        ASSERT_GE(double(e8), best - 1e-4 * (1 + std::abs(best))) << "q head " << qh << " page " << p;
+        // Dim 5's max is +inf on page 6 (head 0): chosen whenever q_5 >= 0.
+        if (p == 6 && h == 0) ASSERT_EQ(e8, INFINITY);
+        else ASSERT_TRUE(std::isfinite(e8)) << "q head " << qh << " page " << p;
+      }
+    }
+    std::vector<float> out(q.size());
+    std::vector<PageSelection> sel;
+    SeqId ids[] = {id};
+    ASSERT_TRUE(rt_->DecodeAttention(ids, 0, q.data(), out.data(), &sel).ok());
+    const auto row0 = std::vector<int>(sel[0].row(0), sel[0].row(0) + sel[0].count(0));
+    EXPECT_NE(std::find(row0.begin(), row0.end(), 6), row0.end()) << "page 6 beyond the range must be selected";
+    ExpectOutput(id, 0, q.data(), out.data(),
+                 [&](int h) { return std::vector<int>(sel[0].row(h), sel[0].row(h) + sel[0].count(h)); }, 1e-5);
+  }
 }
 
 TEST_F(RuntimeTest, PrefixSharingSharesSealedPages) {
@@ -366,6 +444,12 @@ TEST_F(RuntimeTest, InvalidConfigsAreRejected) {
   EXPECT_EQ(Runtime::Create(c).status().code(), Code::kUnimplemented);
   c.geometry = Geo(0);
   EXPECT_EQ(Runtime::Create(c).status().code(), Code::kInvalidArgument);
+  c.geometry = Geo(16);
+  c.geometry.summary_dtype = SummaryDType(9);
+  EXPECT_EQ(Runtime::Create(c).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(ParseSummaryDType("e4m3").value(), SummaryDType::kE4M3);
+  EXPECT_EQ(ParseSummaryDType("kv").value(), SummaryDType::kKv);
+  EXPECT_EQ(ParseSummaryDType("int4").status().code(), Code::kInvalidArgument);
 }
 
 TEST_F(RuntimeTest, RunningOutOfPagesIsAtomic) {
