@@ -2,7 +2,9 @@
 // sequence), one thread per head-dim element. Each thread copies its element of
 // every new K/V row of that page and folds the keys into the summary in token
 // order with the CPU twin's comparison (key < lo ? key : lo), so the result is
-// bit for bit AppendTokensHeadsCpu's, signed zeros included.
+// bit for bit AppendTokensHeadsCpu's, signed zeros included. E4M3 summaries
+// are folded in float from their codes' exact values and rounded outward
+// once: AppendTokensHeadsCpu then SnapSummaryE4m3Cpu, code for code.
 #include <cfloat>
 #include <mutex>
 #include <string>
@@ -10,11 +12,20 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
+#include "kernels/e4m3.h"
 
 namespace questkv::kernels::cuda {
 namespace {
 
 thread_local std::string g_last_error;
+
+// A stored bound as a float: e4m3 codes exactly, ±inf included (the
+// hardware decode would make them NaN, which no key compares below).
+template <typename SumT>
+__device__ __forceinline__ float BoundToFloat(SumT x) {
+  if constexpr (kIsE4m3<SumT>) return e4m3::ToFloat(x.bits);
+  else return ToFloat(x);
+}
 
 template <typename KvT, typename SumT>
 __global__ void AppendKernel(AppendParams p) {
@@ -42,8 +53,8 @@ __global__ void AppendKernel(AppendParams p) {
   const KvT* k = static_cast<const KvT*>(p.k);
   const KvT* v = static_cast<const KvT*>(p.v);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float lo = ToFloat(lo_row[d]);
-    float hi = ToFloat(hi_row[d]);
+    float lo = BoundToFloat(lo_row[d]);
+    float hi = BoundToFloat(hi_row[d]);
     for (int t = t0; t < t1; ++t) {
       const std::size_t src = (std::size_t(row0 + t - pos) * p.kv_heads + h) * D + d;
       const std::size_t dst = std::size_t(t - lp * S) * D + d;
@@ -54,8 +65,13 @@ __global__ void AppendKernel(AppendParams p) {
       lo = kf < lo ? kf : lo;
       hi = kf > hi ? kf : hi;
     }
-    lo_row[d] = FromFloat<SumT>(lo);
-    hi_row[d] = FromFloat<SumT>(hi);
+    if constexpr (kIsE4m3<SumT>) {
+      lo_row[d].bits = e4m3::RoundDown(lo);
+      hi_row[d].bits = e4m3::RoundUp(hi);
+    } else {
+      lo_row[d] = FromFloat<SumT>(lo);
+      hi_row[d] = FromFloat<SumT>(hi);
+    }
   }
 }
 
@@ -67,7 +83,8 @@ __global__ void ResetKernel(SumT* summaries, const uint32_t* page_ids, int n, in
     const std::size_t page = page_ids[i / per_page];
     const std::size_t e = i % per_page;
     const bool is_max = (e / head_dim) % 2 == 1;
-    summaries[page * per_page + e] = FromFloat<SumT>(is_max ? -INFINITY : INFINITY);
+    if constexpr (kIsE4m3<SumT>) summaries[page * per_page + e].bits = is_max ? e4m3::kNegInf : e4m3::kPosInf;
+    else summaries[page * per_page + e] = FromFloat<SumT>(is_max ? -INFINITY : INFINITY);
   }
 }
 
@@ -81,11 +98,12 @@ const char* DTypeName(DType t) {
     case DType::kF32: return "f32";
     case DType::kF16: return "f16";
     case DType::kBF16: return "bf16";
+    case DType::kE4M3: return "e4m3";
   }
   return "?";
 }
 
-std::size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+std::size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kE4M3 ? 1 : 2; }
 
 cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.max_new_tokens == 0) return cudaSuccess;
@@ -96,7 +114,7 @@ cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   const dim3 grid(p.max_new_tokens / p.page_size + 2, p.kv_heads, p.batch);
   const int threads = p.head_dim < 256 ? p.head_dim : 256;
   QKV_DISPATCH_DTYPE(p.kv_dtype, KvT, {
-    QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
+    QKV_DISPATCH_SUMMARY_DTYPE(p.summary_dtype, SumT, {
       if (const cudaError_t e = LaunchChained(AppendKernel<KvT, SumT>, grid, dim3(threads), 0, stream, p); e != cudaSuccess)
         return e;
     })
@@ -107,7 +125,7 @@ cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
 cudaError_t LaunchResetSummaries(void* summaries, DType summary_dtype, const uint32_t* page_ids, int n,
                                  int kv_heads, int head_dim, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  QKV_DISPATCH_DTYPE(summary_dtype, SumT, {
+  QKV_DISPATCH_SUMMARY_DTYPE(summary_dtype, SumT, {
     ResetKernel<SumT><<<256, 256, 0, stream>>>(static_cast<SumT*>(summaries), page_ids, n, kv_heads,
                                                 head_dim);
   })

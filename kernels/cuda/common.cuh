@@ -3,6 +3,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -60,6 +61,33 @@ __device__ __forceinline__ void Unpack16(const uint4& raw, float* out) {
 }
 
 __device__ __forceinline__ uint4 Load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// ---- E4M3 summary codes (kernels/e4m3.h) --------------------------------------
+// Plain storage with no conversions of its own, because two decodes exist:
+// e4m3::ToFloat where ±inf must stay ±inf (the append's fold), and the
+// hardware conversion, which reads 0x7F / 0xFF as NaN (the score, whose
+// NaN is the CPU twin's mark of an infinite bound).
+struct E4m3Code {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kIsE4m3 = std::is_same_v<T, E4m3Code>;
+
+// Two codes (the low byte first) as floats: exact for every finite code.
+__device__ __forceinline__ float2 DecodeE4m3x2(uint16_t pair) {
+  return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), __NV_E4M3)));
+}
+
+// Eight codes (little-endian) as floats.
+__device__ __forceinline__ void UnpackE4m3x8(const uint2& raw, float* out) {
+  const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = DecodeE4m3x2(uint16_t(w[i >> 1] >> (16 * (i & 1))));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
 
 // Asynchronous 16-byte global -> shared copies (cp.async, L1 bypassed): with
 // `valid` false, the 16 bytes are zero-filled and `src` is not read.

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/kernels_cuda.h"
 
 namespace questkv::kernels::cuda {
@@ -58,24 +59,32 @@ inline cudaError_t Unsupported(const char* what, long long value, const char* su
       return ::questkv::kernels::cuda::Unsupported("GQA group", (group), "1, 2, 4, 8");        \
   }
 
-// DTYPE_T becomes float, __half or __nv_bfloat16.
-#define QKV_DISPATCH_DTYPE(dtype, DTYPE_T, ...)                                                   \
-  switch (dtype) {                                                                               \
-    case ::questkv::kernels::cuda::DType::kF32: {                                                \
-      using DTYPE_T = float;                                                                     \
-      __VA_ARGS__                                                                                \
-      break;                                                                                     \
-    }                                                                                            \
-    case ::questkv::kernels::cuda::DType::kF16: {                                                \
-      using DTYPE_T = __half;                                                                    \
-      __VA_ARGS__                                                                                \
-      break;                                                                                     \
-    }                                                                                            \
-    case ::questkv::kernels::cuda::DType::kBF16: {                                               \
-      using DTYPE_T = __nv_bfloat16;                                                             \
-      __VA_ARGS__                                                                                \
-      break;                                                                                     \
-    }                                                                                            \
-    default:                                                                                     \
-      return ::questkv::kernels::cuda::Unsupported("dtype", int(dtype), "f32, f16, bf16");       \
+// One dtype's case: DTYPE_T becomes TYPE for the body.
+#define QKV_DISPATCH_DTYPE_CASE(ENUM, DTYPE_T, TYPE, ...) \
+  case ::questkv::kernels::cuda::DType::ENUM: {           \
+    using DTYPE_T = TYPE;                                 \
+    __VA_ARGS__                                           \
+    break;                                                \
+  }
+
+// DTYPE_T becomes float, __half or __nv_bfloat16 (K/V, queries, outputs: e4m3 is
+// a summary dtype only, rejected here).
+#define QKV_DISPATCH_DTYPE(dtype, DTYPE_T, ...)                                             \
+  switch (dtype) {                                                                         \
+    QKV_DISPATCH_DTYPE_CASE(kF32, DTYPE_T, float, __VA_ARGS__)                             \
+    QKV_DISPATCH_DTYPE_CASE(kF16, DTYPE_T, __half, __VA_ARGS__)                            \
+    QKV_DISPATCH_DTYPE_CASE(kBF16, DTYPE_T, __nv_bfloat16, __VA_ARGS__)                    \
+    default:                                                                               \
+      return ::questkv::kernels::cuda::Unsupported("dtype", int(dtype), "f32, f16, bf16"); \
+  }
+
+// Summaries: SUM_T becomes float, __half, __nv_bfloat16 or E4m3Code.
+#define QKV_DISPATCH_SUMMARY_DTYPE(dtype, SUM_T, ...)                                                    \
+  switch (dtype) {                                                                                      \
+    QKV_DISPATCH_DTYPE_CASE(kF32, SUM_T, float, __VA_ARGS__)                                            \
+    QKV_DISPATCH_DTYPE_CASE(kF16, SUM_T, __half, __VA_ARGS__)                                           \
+    QKV_DISPATCH_DTYPE_CASE(kBF16, SUM_T, __nv_bfloat16, __VA_ARGS__)                                   \
+    QKV_DISPATCH_DTYPE_CASE(kE4M3, SUM_T, ::questkv::kernels::cuda::E4m3Code, __VA_ARGS__)              \
+    default:                                                                                            \
+      return ::questkv::kernels::cuda::Unsupported("summary dtype", int(dtype), "f32, f16, bf16, e4m3"); \
   }

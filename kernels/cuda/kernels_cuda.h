@@ -30,7 +30,13 @@
 
 namespace questkv::kernels::cuda {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+// kE4M3: 8-bit summaries only (AppendParams::summary_dtype,
+// SelectParams::summary_dtype, LaunchResetSummaries), codes of kernels/e4m3.h
+// (min rounded down, max up; 0x7F = +inf, 0xFF = -inf; the empty box is min
+// 0x7F, max 0xFF). Selects score them as ScorePagesCpu(..., e4m3 = true):
+// a term on an infinite bound makes the score +inf, so the head-page is
+// chosen. Every other dtype argument rejects it.
+enum class DType : uint8_t { kF32, kF16, kBF16, kE4M3 };
 const char* DTypeName(DType t);
 std::size_t DTypeBytes(DType t);
 
@@ -54,9 +60,11 @@ const std::string& LastErrorMessage();
 // AppendTokensHeadsCpu does, token by token in order. Prefill chunks and single
 // decode tokens alike. The pages must already exist in the page table and have
 // slots; a page's summary must hold the empty box before its first token.
+// E4M3 summaries: each touched summary is decoded, folded, and rounded
+// outward once a call, as AppendTokensHeadsCpu then SnapSummaryE4m3Cpu.
 struct AppendParams {
   DType kv_dtype = DType::kF16;       // k, v, slot pool
-  DType summary_dtype = DType::kF32;  // summaries
+  DType summary_dtype = DType::kF32;  // summaries: f32, f16, bf16 or e4m3
   int batch = 0;
   int kv_heads = 0;
   int page_size = 0;  // S
@@ -75,7 +83,8 @@ struct AppendParams {
 };
 cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream);
 
-// Sets the summaries of `n` PageIds to the empty box (min=+inf, max=-inf).
+// Sets the summaries of `n` PageIds to the empty box (min=+inf, max=-inf;
+// e4m3: codes 0x7F, 0xFF).
 cudaError_t LaunchResetSummaries(void* summaries, DType summary_dtype, const uint32_t* page_ids, int n,
                                  int kv_heads, int head_dim, cudaStream_t stream);
 
@@ -119,7 +128,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 struct SelectParams {
   SelectShape shape;
   DType q_dtype = DType::kF16;
-  DType summary_dtype = DType::kF32;
+  DType summary_dtype = DType::kF32;       // f32, f16, bf16 or e4m3
   const void* q = nullptr;                 // [batch][Hq][D]
   const void* summaries = nullptr;         // [PageId][Hkv][2][D]
   const int32_t* page_indptr = nullptr;    // [batch + 1]

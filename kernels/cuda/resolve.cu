@@ -469,6 +469,8 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
   };
   if (s.batch <= 0 || s.kv_heads <= 0) return fail("batch and kv_heads must be positive");
   if (s.page_size <= 0 || s.head_dim <= 0) return fail("page_size and head_dim must be positive");
+  if (s.dtype != DType::kF32 && s.dtype != DType::kF16 && s.dtype != DType::kBF16)
+    return fail(std::string("K/V dtype ") + DTypeName(s.dtype) + " (supported: f32, f16, bf16)");
   if (entries < 0 || list_slots < 0 || entries >= INT32_MAX || list_slots >= INT32_MAX)
     return fail("entries and list_slots must be in [0, 2^31 - 1)");
   const std::size_t piece = std::size_t(s.page_size) * s.head_dim * DTypeBytes(s.dtype);

@@ -13,6 +13,11 @@
 //     The G query heads of a group share each summary read; kMax/kMean
 //     aggregate in place (std::max / sequential sum then divide, as select.cc
 //     does) and fold each row's key range (min, max) with atomics.
+//     E4M3 summaries (all three kernels; D = 64 reads directly, its summary
+//     being shorter than the staged tile's 128-dimension phase) decode with
+//     the hardware conversion, NaN for the ±inf codes, and a query head's NaN
+//     score becomes +inf before anything else sees it: ScorePagesCpu's e4m3
+//     rule.
 //  2. Batches with a row of more than kLongRowMin keys (kMax/kMean), many
 //     blocks per (sequence, KV head) row throughout, in three phases: a
 //     histogram of each row's keys over [min, max] in global memory, the
@@ -114,16 +119,36 @@ __device__ __forceinline__ void Smem8(const unsigned char* row, int first_piece,
     Unpack16<T>(*reinterpret_cast<const uint4*>(row + (first_piece + v) * 16), out + v * kVec16<T>);
 }
 
-// Chunk c of 8 elements of a row of T, as floats (one or two 16-byte loads).
-template <typename T>
-__device__ __forceinline__ void Load8(const T* row, int c, float* out) {
-#pragma unroll
-  for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
+// The first (upper false) or second 8 bytes of a 16-byte piece.
+__device__ __forceinline__ uint2 HalfPiece(const uint4& piece, bool upper) {
+  return upper ? make_uint2(piece.z, piece.w) : make_uint2(piece.x, piece.y);
 }
 
-// ScoreTerm's fma form is exact when q and the summaries are 16-bit.
+// Chunk c of 8 elements of a row of T, as floats (one or two 16-byte loads;
+// e4m3: one 8-byte load).
+template <typename T>
+__device__ __forceinline__ void Load8(const T* row, int c, float* out) {
+  if constexpr (kIsE4m3<T>) {
+    UnpackE4m3x8(__ldg(reinterpret_cast<const uint2*>(row + c * 8)), out);
+  } else {
+#pragma unroll
+    for (int v = 0; v < 8 / kVec16<T>; ++v) Unpack16<T>(Load16(row + c * 8 + v * kVec16<T>), out + v * kVec16<T>);
+  }
+}
+
+// ScoreTerm's fma form is exact when q and the summaries are 16-bit, or q
+// 16-bit and the summaries E4M3 (at most 15 significant bits).
 template <typename QT, typename SumT>
-constexpr bool kExactProducts = sizeof(QT) == 2 && sizeof(SumT) == 2;
+constexpr bool kExactProducts = sizeof(QT) == 2 && sizeof(SumT) <= 2;
+
+// A query head's score as summed. E4M3: a term on a ±inf code decoded to NaN
+// and made the sum NaN; the score is then +inf (always chosen), before any
+// aggregation, as in ScorePagesCpu.
+template <typename SumT>
+__device__ __forceinline__ float FinishScore(float sum) {
+  if constexpr (kIsE4m3<SumT>) return isnan(sum) ? INFINITY : sum;
+  else return sum;
+}
 
 // One chunk of 8 dimensions for one query head: ScorePagesCpu's 8 partial sums.
 template <bool kExact>
@@ -199,7 +224,7 @@ __device__ __forceinline__ void ScoreHeadPage(const SumT* lo, const QT* q, float
     }
   }
 #pragma unroll
-  for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
+  for (int g = 0; g < G; ++g) score[g] = FinishScore<SumT>(SumLanes8(acc[g]));
 }
 
 // Writes a head-page's scores (kUnion: per query head; else aggregated) and
@@ -308,6 +333,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
   ChainRelease();
   using T = Tile<SumT>;
   constexpr int kPhases = D / T::kPhaseDims;
+  static_assert(kPhases >= 1 && D % T::kPhaseDims == 0, "whole phases only");
   __shared__ __align__(16) unsigned char tiles[kScoreWarps][2][T::kBytes];
   const int lane = int(threadIdx.x & 31), warp = int(threadIdx.x >> 5);
   const SelectShape& s = p.shape;
@@ -352,11 +378,24 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
       __syncwarp();
       if (cur.valid) {
         const unsigned char* row = tiles[warp][nb] + lane * T::kStride;
+        // E4M3: the pieces of min and max holding chunks c and c + 1 (c
+        // even), each read once: a lane's 16-byte reads of the padded rows
+        // are conflict-free, 8-byte ones 2-way.
+        [[maybe_unused]] uint4 piece_mn, piece_mx;
 #pragma unroll
         for (int c = 0; c < T::kPhaseDims / 8; ++c) {
           float mn[8], mx[8];
-          Smem8<SumT>(row, c * (8 / T::kEP), mn);
-          Smem8<SumT>(row, 8 + c * (8 / T::kEP), mx);
+          if constexpr (kIsE4m3<SumT>) {
+            if (c % 2 == 0) {
+              piece_mn = *reinterpret_cast<const uint4*>(row + c * 8);
+              piece_mx = *reinterpret_cast<const uint4*>(row + 128 + c * 8);
+            }
+            UnpackE4m3x8(HalfPiece(piece_mn, c % 2), mn);
+            UnpackE4m3x8(HalfPiece(piece_mx, c % 2), mx);
+          } else {
+            Smem8<SumT>(row, c * (8 / T::kEP), mn);
+            Smem8<SumT>(row, 8 + c * (8 / T::kEP), mx);
+          }
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             float qv[8];
@@ -370,7 +409,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
     }
     float score[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) score[g] = SumLanes8(acc[g]);
+    for (int g = 0; g < G; ++g) score[g] = FinishScore<SumT>(SumLanes8(acc[g]));
     const float agg = cur.valid ? StoreScores<G>(s, scores, cur.item, cur.first, cur.n, cur.h, cur.i, score) : 0.f;
     if (st) FoldKeyRange(st, cur.valid && !Skipped(PolicyFor(s, cur.n), cur.i), cur.b * s.kv_heads + cur.h, Key(agg));
     if (!more) break;
@@ -507,14 +546,20 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
       for (int g = 0; g < G; ++g) acc[g] = 0.f;
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
-        const float mn = ToFloat<SumT>(lo[c * 8 + l]), mx = ToFloat<SumT>(lo[D + c * 8 + l]);
+        float mn, mx;
+        if constexpr (kIsE4m3<SumT>) {  // one conversion for the pair
+          const float2 f = DecodeE4m3x2(uint16_t(lo[c * 8 + l].bits | lo[D + c * 8 + l].bits << 8));
+          mn = f.x, mx = f.y;
+        } else {
+          mn = ToFloat<SumT>(lo[c * 8 + l]), mx = ToFloat<SumT>(lo[D + c * 8 + l]);
+        }
 #pragma unroll
         for (int g = 0; g < G; ++g) acc[g] = ScoreTerm<kExactProducts<QT, SumT>>(acc[g], qr[g][c], mn, mx);
       }
       __syncwarp();  // the stage is read before a later issue refills it
       float score[G];
 #pragma unroll
-      for (int g = 0; g < G; ++g) score[g] = SumGroup8(acc[g]);  // the group's eight partial sums
+      for (int g = 0; g < G; ++g) score[g] = FinishScore<SumT>(SumGroup8(acc[g]));  // the group's eight partial sums
       const int i = i_begin + t * 4 + grp;
       const bool mine = l == 0 && i < i_end;
       if (mine) {
@@ -1528,6 +1573,8 @@ cudaError_t LaunchScore(const SelectPlan& plan, const SelectParams& p, float* sc
   // below kStagedMinHeadPages, the direct kernel (H200, Llama-3-8B before the
   // lanes kernel: 41.5 vs 50.0 us at b1 128K; the staged one 129 vs
   // 140 us at b1 512K, 1987 vs 2358 us at b16 1M).
+  // E4M3 phases are 128 dimensions: D = 64 takes the direct kernel.
+  constexpr bool kStaged = Tile<SumT>::kPhaseDims <= D;
   if constexpr (G == 4 && D == 128) {
     constexpr auto kernel = ScoreKernelLanes<QT, SumT, D, G>;
     constexpr int smem = kLaneSmem<SumT, D>;
@@ -1540,14 +1587,16 @@ cudaError_t LaunchScore(const SelectPlan& plan, const SelectParams& p, float* sc
                                             scores, st, unit);
         e != cudaSuccess)
       return e;
-  } else if (G <= 2 || head_pages >= kStagedMinHeadPages) {
-    const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
-    const long long groups = (std::max(slots, 1LL) + 31) / 32;
-    const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
-    if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
-                                            stream, p, scores, st);
-        e != cudaSuccess)
-      return e;
+  } else if (kStaged && (G <= 2 || head_pages >= kStagedMinHeadPages)) {
+    if constexpr (kStaged) {
+      const long long slots = ScoreSlots<(G <= 2)>(plan.total_pages, s.batch, s.kv_heads);
+      const long long groups = (std::max(slots, 1LL) + 31) / 32;
+      const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
+      if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
+                                              stream, p, scores, st);
+          e != cudaSuccess)
+        return e;
+    }
   } else {
     const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
     const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
@@ -1664,7 +1713,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   RowState* st = lr.st;
   if (!s.dense) {
     QKV_DISPATCH_DTYPE(p.q_dtype, QT, {
-      QKV_DISPATCH_DTYPE(p.summary_dtype, SumT, {
+      QKV_DISPATCH_SUMMARY_DTYPE(p.summary_dtype, SumT, {
         QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
           QKV_DISPATCH_GROUP(s.group, G, {
             if (const cudaError_t e = LaunchScore<QT, SumT, D, G>(plan, p, scores, st, stream); e != cudaSuccess) return e;

@@ -1,10 +1,13 @@
 // LaunchAppend against AppendTokensHeadsCpu: a ragged batch gets a prefill
 // chunk, then a single decode token per sequence, into head-pages in shuffled
-// slots; the slot pool and the summaries must match bit for bit.
+// slots; the slot pool and the summaries must match bit for bit (E4M3
+// summaries: code for code, the twin snapping its float summaries onto the
+// grid after each call, as the device rounds once a call).
 #include <algorithm>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -24,12 +27,27 @@ void PrintTo(const AppendCase& c, std::ostream* os) {
       << "_D" << c.head_dim;
 }
 
+// Float summaries [..][2][D] as the device stores them in `dtype`.
+std::vector<uint8_t> SummaryBytes(const std::vector<float>& summ, DType dtype, int head_dim) {
+  if (dtype != DType::kE4M3) return Encode(summ, dtype);
+  std::vector<uint8_t> codes(summ.size());
+  EncodeSummaryE4m3Cpu(summ.data(), int(summ.size() / (2 * head_dim)), head_dim, codes.data());
+  return codes;
+}
+
+// Index of the first element where a and b differ (a.size() == b.size()), or -1.
+long long FirstDifference(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+  const auto at = std::mismatch(a.begin(), a.end(), b.begin());
+  return at.first == a.end() ? -1 : (long long)(at.first - a.begin());
+}
+
 class AppendCudaTest : public ::testing::TestWithParam<AppendCase> {};
 
 TEST_P(AppendCudaTest, MatchesCpuTwinBitForBit) {
   QKV_REQUIRE_GPU();
   const AppendCase c = GetParam();
   const int S = c.page_size, D = c.head_dim, H = c.kv_heads, B = c.batch;
+  const bool e4m3 = c.sum == DType::kE4M3;
   std::mt19937 rng(1234 + B * 7 + S + D);
   // Lengths cover 1, S-1, S, S+1 and 4099 tokens across the two calls.
   const int odd[] = {1, S - 1, S, S + 1, 4099, 0, 2 * S, 37};
@@ -60,11 +78,11 @@ TEST_P(AppendCudaTest, MatchesCpuTwinBitForBit) {
   std::vector<float> pool = RoundTo(questkv::test::RandomNormal(std::size_t(slots) * 2 * S * D, 99), c.kv);
   std::vector<float> summ(std::size_t(id_space) * H * 2 * D);
   for (int p = 0; p < id_space; ++p) ResetSummaryCpu(summ.data() + std::size_t(p) * H * 2 * D, H, D);
-  summ = RoundTo(summ, c.sum);
+  if (!e4m3) summ = RoundTo(summ, c.sum);  // the empty box is on the E4M3 grid
 
   DeviceBuffer d_pool, d_summ, d_indptr, d_ids, d_slot;
   Upload(d_pool, Encode(pool, c.kv));
-  Upload(d_summ, Encode(summ, c.sum));
+  Upload(d_summ, SummaryBytes(summ, c.sum, D));
   Upload(d_indptr, page_indptr);
   Upload(d_ids, page_ids);
   Upload(d_slot, hbm_slot);
@@ -79,7 +97,13 @@ TEST_P(AppendCudaTest, MatchesCpuTwinBitForBit) {
       max_new = std::max(max_new, n);
     }
     const int rows = append_indptr[B];
-    std::vector<float> k = RoundTo(questkv::test::RandomNormal(std::size_t(rows) * H * D, 10 + call), c.kv);
+    std::vector<float> k = questkv::test::RandomNormal(std::size_t(rows) * H * D, 10 + call);
+    // E4M3: keys past ±448 (bounds whose codes are ±inf), large finite ones,
+    // and ones below 2^-6 (subnormal codes).
+    if (e4m3)
+      for (std::size_t i = 0; i < k.size(); ++i)
+        k[i] *= i % 29 == 3 ? 700.f : i % 17 == 5 ? 100.f : i % 13 == 7 ? 1e-3f : 1.f;
+    k = RoundTo(k, c.kv);
     std::vector<float> v = RoundTo(questkv::test::RandomNormal(std::size_t(rows) * H * D, 20 + call), c.kv);
     // Signed zeros and ties in the keys exercise the comparison order.
     for (std::size_t i = 0; i < k.size(); i += 17) k[i] = (i % 2) ? 0.f : -0.f;
@@ -128,13 +152,23 @@ TEST_P(AppendCudaTest, MatchesCpuTwinBitForBit) {
         t += n;
       }
     }
+    if (e4m3) SnapSummaryE4m3Cpu(summ.data(), id_space * H, D);
     const std::vector<float> got_pool = Decode(Download<uint8_t>(d_pool, d_pool.bytes()), c.kv);
-    const std::vector<float> got_summ = Decode(Download<uint8_t>(d_summ, d_summ.bytes()), c.sum);
-    const std::vector<float> want_summ = RoundTo(summ, c.sum);
     ASSERT_EQ(got_pool.size(), pool.size());
     ASSERT_EQ(0, std::memcmp(got_pool.data(), pool.data(), pool.size() * 4)) << "pool differs after call " << call;
-    ASSERT_EQ(0, std::memcmp(got_summ.data(), want_summ.data(), want_summ.size() * 4))
-        << "summaries differ after call " << call;
+    if (e4m3) {
+      const std::vector<uint8_t> got_codes = Download<uint8_t>(d_summ, d_summ.bytes());
+      const std::vector<uint8_t> want_codes = SummaryBytes(summ, c.sum, D);
+      ASSERT_EQ(got_codes.size(), want_codes.size());
+      const long long at = FirstDifference(got_codes, want_codes);
+      ASSERT_EQ(at, -1) << "summary codes differ after call " << call << " at element " << at << ": 0x" << std::hex
+                        << int(got_codes[at]) << " vs 0x" << int(want_codes[at]) << " (" << summ[at] << ")";
+    } else {
+      const std::vector<float> got_summ = Decode(Download<uint8_t>(d_summ, d_summ.bytes()), c.sum);
+      const std::vector<float> want_summ = RoundTo(summ, c.sum);
+      ASSERT_EQ(0, std::memcmp(got_summ.data(), want_summ.data(), want_summ.size() * 4))
+          << "summaries differ after call " << call;
+    }
   }
 }
 
@@ -144,6 +178,12 @@ INSTANTIATE_TEST_SUITE_P(Sizes, AppendCudaTest,
                                            AppendCase{DType::kBF16, DType::kBF16, 7, 3, 64, 128},
                                            AppendCase{DType::kF16, DType::kF16, 23, 2, 16, 256},
                                            AppendCase{DType::kF32, DType::kF32, 7, 1, 32, 64}));
+
+INSTANTIATE_TEST_SUITE_P(E4m3, AppendCudaTest,
+                         ::testing::Values(AppendCase{DType::kF16, DType::kE4M3, 1, 2, 16, 128},
+                                           AppendCase{DType::kBF16, DType::kE4M3, 3, 2, 8, 64},
+                                           AppendCase{DType::kF32, DType::kE4M3, 7, 3, 64, 256},
+                                           AppendCase{DType::kF16, DType::kE4M3, 7, 1, 32, 128}));
 
 TEST(AppendCudaResetTest, EmptyBox) {
   QKV_REQUIRE_GPU();
@@ -155,6 +195,38 @@ TEST(AppendCudaResetTest, EmptyBox) {
   QKV_CUDA_OK(LaunchResetSummaries(d_summ.get(), DType::kF32, d_ids.as<uint32_t>(), 2, H, D, nullptr));
   for (uint32_t id : {4u, 1u}) ResetSummaryCpu(summ.data() + std::size_t(id) * H * 2 * D, H, D);
   EXPECT_EQ(Download<float>(d_summ, summ.size()), summ);
+}
+
+TEST(AppendCudaResetTest, EmptyBoxE4m3) {
+  QKV_REQUIRE_GPU();
+  const int H = 2, D = 64;
+  const std::size_t per_page = std::size_t(H) * 2 * D;
+  std::vector<uint8_t> codes(5 * per_page);
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = uint8_t(i * 131 + 7);
+  DeviceBuffer d_summ, d_ids;
+  Upload(d_summ, codes);
+  Upload(d_ids, std::vector<uint32_t>{4, 1});
+  QKV_CUDA_OK(LaunchResetSummaries(d_summ.get(), DType::kE4M3, d_ids.as<uint32_t>(), 2, H, D, nullptr));
+  std::vector<float> box(per_page);
+  ResetSummaryCpu(box.data(), H, D);
+  for (uint32_t id : {4u, 1u}) EncodeSummaryE4m3Cpu(box.data(), H, D, codes.data() + id * per_page);
+  EXPECT_EQ(Download<uint8_t>(d_summ, codes.size()), codes);
+}
+
+// E4M3 is a summary dtype only: K/V in it are refused before any launch
+// (no GPU needed).
+TEST(AppendCudaRejectTest, E4m3KeysAndValues) {
+  AppendParams p;
+  p.kv_dtype = DType::kE4M3;
+  p.summary_dtype = DType::kE4M3;
+  p.batch = 1;
+  p.kv_heads = 1;
+  p.page_size = 16;
+  p.head_dim = 128;
+  p.max_new_tokens = 1;
+  EXPECT_EQ(LaunchAppend(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(LastErrorMessage().find("unsupported dtype = 3 (supported: f32, f16, bf16)"), std::string::npos)
+      << LastErrorMessage();
 }
 
 }  // namespace

@@ -385,5 +385,17 @@ INSTANTIATE_TEST_SUITE_P(
                       // more misses than eligible slots across rounds: bypasses past the second round
                       ResolveCase{1, 4, 16, 32, DType::kF32, 3000, 5000, 1500, 0.0, 0}));
 
+// E4M3 is a summary dtype only: the plan refuses it for K/V (host only, no GPU needed).
+TEST(ResolvePlanReject, E4m3KeysAndValues) {
+  ResolveShape shape;
+  shape.batch = 1, shape.kv_heads = 2, shape.page_size = 16, shape.head_dim = 64, shape.dtype = DType::kE4M3;
+  ResolvePlan plan;
+  std::string err;
+  EXPECT_FALSE(PlanResolve(shape, 8, 8, 132, 0, &plan, &err));
+  EXPECT_NE(err.find("e4m3"), std::string::npos) << err;
+  shape.dtype = DType::kF16;
+  EXPECT_TRUE(PlanResolve(shape, 8, 8, 132, 0, &plan, &err)) << err;
+}
+
 }  // namespace
 }  // namespace questkv::kernels::cuda::test

@@ -2,11 +2,15 @@
 // policy of selector/select.cc (sink + local window + top-K, GQA max / mean /
 // union, dense layers). Selections must be equal exactly (same sets, same
 // ascending order), ties included, because the device reproduces the CPU's
-// float scores bit for bit and breaks ties toward the lower page index.
+// float scores bit for bit and breaks ties toward the lower page index. With
+// E4M3 summaries the scores themselves are compared too, bit for bit.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -17,10 +21,17 @@ namespace questkv::kernels::cuda::test {
 namespace {
 
 // select.cc's policy for one sequence (all KV heads), from float inputs.
+// e4m3: the slab holds summaries on the E4M3 grid (ScorePagesCpu's e4m3
+// rule). row_scores, when given: the scores that LaunchSelect's score
+// kernels leave at the start of its workspace for this sequence, [H][A][n]
+// (A = G per query head for kUnion, else 1, the aggregate), or empty when
+// its rows choose every page and are not scored.
 std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, const float* slab,
-                                        const uint32_t* ids, int n) {
+                                        const uint32_t* ids, int n, bool e4m3 = false,
+                                        std::vector<float>* row_scores = nullptr) {
   const int G = s.group, D = s.head_dim, H = s.kv_heads;
   std::vector<std::vector<int>> rows(H);
+  if (row_scores) row_scores->clear();
   if (s.dense || s.page_budget >= n) {
     for (auto& r : rows) r.resize(n), std::iota(r.begin(), r.end(), 0);
     return rows;
@@ -31,10 +42,13 @@ std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, co
   for (int i = n - local; i < n; ++i) skip[i] = 1;
   const int fixed = int(std::count(skip.begin(), skip.end(), 1));
   const int k = int(std::max<int64_t>(0, s.page_budget - fixed));
+  const int A = s.gqa == GqaAgg::kUnion ? G : 1;
+  const bool scored = k < n - fixed;  // else every page is chosen
+  if (row_scores && scored) row_scores->resize(std::size_t(H) * A * n);
   std::vector<float> scores(std::size_t(G) * n), agg(n);
   std::vector<int> chosen(n), scratch(n);
   for (int h = 0; h < H; ++h) {
-    ScorePagesCpu(q + std::size_t(h) * G * D, G, D, slab, H, h, ids, n, scores.data());
+    ScorePagesCpu(q + std::size_t(h) * G * D, G, D, slab, H, h, ids, n, scores.data(), e4m3);
     std::vector<uint8_t> mark(skip);
     auto mark_top = [&](const float* sc) {
       const int got = TopKCpu(sc, n, skip.data(), k, chosen.data(), scratch.data());
@@ -51,6 +65,9 @@ std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, co
         for (int i = 0; i < n; ++i) agg[i] /= float(G);
       mark_top(agg.data());
     }
+    if (row_scores && scored)
+      std::copy_n(s.gqa == GqaAgg::kUnion ? scores.data() : agg.data(), std::size_t(A) * n,
+                  row_scores->data() + std::size_t(h) * A * n);
     for (int i = 0; i < n; ++i)
       if (mark[i]) rows[h].push_back(i);
   }
@@ -74,8 +91,39 @@ void PrintTo(const SelectCase& c, std::ostream* os) {
       << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "");
 }
 
+// E4M3 summaries from a float slab [..][2][D]: in a few head-pages one
+// dimension's bounds scaled past ±448 (codes ±inf: +inf scores for the query
+// heads whose signs pick them), a few empty boxes, large finite and
+// subnormal values elsewhere; then every bound snapped outward onto the grid.
+void MakeE4m3Slab(std::vector<float>& slab, int D, uint64_t seed) {
+  std::mt19937 rng{uint32_t(seed * 7 + 5)};
+  const int heads = int(slab.size() / (2 * D));
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (int hp = 0; hp < heads; ++hp) {
+    float* lo = slab.data() + std::size_t(hp) * 2 * D;
+    float* hi = lo + D;
+    const uint32_t r = rng();
+    if (r % 61 == 0) {
+      std::fill(lo, lo + D, kInf);
+      std::fill(hi, hi + D, -kInf);
+      continue;
+    }
+    for (int j = 0; j < D; ++j) {
+      const uint32_t t = rng() % 64;
+      const float scale = t == 0 ? 1e-3f : t == 1 ? 100.f : 1.f;
+      lo[j] *= scale, hi[j] *= scale;
+    }
+    if (r % 16 == 1) {
+      const int j = int(rng() % D);
+      lo[j] *= 600.f, hi[j] *= 600.f;
+    }
+  }
+  SnapSummaryE4m3Cpu(slab.data(), heads, D);
+}
+
 void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool split_long_rows = false) {
   const int B = c.batch, H = c.kv_heads, G = c.group, D = c.head_dim, S = c.page_size;
+  const bool e4m3 = c.sum_dtype == DType::kE4M3;
   std::mt19937 rng{uint32_t(seed)};
   // Token lengths 1, S-1, S, S+1, 4099 and random ones.
   const int odd[] = {1, S - 1, S, S + 1, 4099, 3 * S + 5, 700, 40 * S};
@@ -109,7 +157,15 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   std::vector<float> q = questkv::test::RandomNormal(std::size_t(B) * H * G * D, seed + 3);
   if (c.ties)
     for (float& v : q) v = std::round(v);
-  slab = RoundTo(slab, c.sum_dtype);
+  std::vector<uint8_t> slab_bytes;
+  if (e4m3) {
+    MakeE4m3Slab(slab, D, seed);
+    slab_bytes.resize(slab.size());
+    EncodeSummaryE4m3Cpu(slab.data(), id_space * H, D, slab_bytes.data());
+  } else {
+    slab = RoundTo(slab, c.sum_dtype);
+    slab_bytes = Encode(slab, c.sum_dtype);
+  }
   q = RoundTo(q, c.q_dtype);
 
   SelectShape s;
@@ -136,7 +192,7 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
 
   DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws;
   Upload(d_q, Encode(q, c.q_dtype));
-  Upload(d_slab, Encode(slab, c.sum_dtype));
+  Upload(d_slab, slab_bytes);
   Upload(d_indptr, indptr);
   Upload(d_ids, ids);
   Upload(d_slot, hbm_slot);
@@ -167,10 +223,26 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   const auto got_pages = Download<int32_t>(d_pages, nnz);
   const auto got_slots = Download<int32_t>(d_slots, nnz);
   const auto got_count = Download<int32_t>(d_count, rows);
+  // E4M3 never takes the fused select (its q and summary dtypes differ), so
+  // the score kernels' scores are at the workspace's start (select.cu):
+  // sequence b's [H][A][n] from indptr[b] * H * A.
+  const int A = c.gqa == GqaAgg::kUnion ? G : 1;
+  const auto got_scores = e4m3 ? Download<float>(d_ws, std::size_t(pages) * H * A) : std::vector<float>();
 
   double worst_jaccard = 1.0;
+  std::vector<float> want_scores;
   for (int b = 0; b < B; ++b) {
-    const auto want = CpuSelect(s, q.data() + std::size_t(b) * H * G * D, slab.data(), ids.data() + indptr[b], counts[b]);
+    const auto want = CpuSelect(s, q.data() + std::size_t(b) * H * G * D, slab.data(), ids.data() + indptr[b],
+                                counts[b], e4m3, &want_scores);
+    if (e4m3) {
+      const float* got = got_scores.data() + std::size_t(indptr[b]) * H * A;
+      for (std::size_t i = 0; i < want_scores.size(); ++i) {
+        const bool same =
+            std::memcmp(&got[i], &want_scores[i], 4) == 0 || (std::isnan(got[i]) && std::isnan(want_scores[i]));
+        ASSERT_TRUE(same) << "sequence " << b << " (" << counts[b] << " pages), score " << i << " of [H][" << A
+                          << "][n]: " << got[i] << " vs " << want_scores[i];
+      }
+    }
     for (int h = 0; h < H; ++h) {
       const int row = b * H + h;
       ASSERT_LE(got_count[row], plan.out_indptr[row + 1] - plan.out_indptr[row]);
@@ -247,6 +319,28 @@ INSTANTIATE_TEST_SUITE_P(
                       SelectCase{7, 4, 1, 128, 16, 40, GqaAgg::kMax, F16, F16, false, false, 6000},
                       SelectCase{3, 2, 2, 64, 16, 50, GqaAgg::kUnion, BF16, BF16, true, false, 3000}));
 
+// E4M3 summaries, over every score kernel: staged (G <= 2, D 128 and 256; G = 8 at
+// 256K head-pages, with long rows of many +inf scores), direct (G >= 4 and D = 64 at
+// any G), lanes (G = 4, D = 128, also with f32 q's separate product and sum), each
+// GQA mode and q dtype, dense, and the top-K's short-row and long-row paths.
+constexpr DType E4M3 = DType::kE4M3;
+INSTANTIATE_TEST_SUITE_P(
+    E4m3, SelectCudaTest,
+    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaAgg::kMax, F32, E4M3, false},
+                      SelectCase{3, 2, 2, 64, 8, 20, GqaAgg::kMean, F16, E4M3, false},
+                      SelectCase{1, 2, 1, 64, 16, 30, GqaAgg::kMean, F32, E4M3, true},
+                      SelectCase{7, 2, 4, 128, 16, 12, GqaAgg::kMax, BF16, E4M3, false},
+                      SelectCase{7, 2, 4, 64, 16, 10, GqaAgg::kUnion, F16, E4M3, true},
+                      SelectCase{3, 2, 8, 256, 32, 7, GqaAgg::kUnion, F32, E4M3, true},
+                      SelectCase{7, 2, 1, 256, 16, 9, GqaAgg::kMean, BF16, E4M3, false},
+                      SelectCase{3, 1, 8, 128, 16, 8, GqaAgg::kMax, F16, E4M3, false},
+                      SelectCase{3, 2, 2, 128, 16, 10, GqaAgg::kUnion, F32, E4M3, false},
+                      SelectCase{7, 2, 4, 128, 16, 8, GqaAgg::kMax, F16, E4M3, false, /*dense=*/true},
+                      SelectCase{9, 2, 4, 128, 16, 24, GqaAgg::kMean, F16, E4M3, false, false, 5000},
+                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F32, E4M3, true, false, 3000},
+                      SelectCase{1, 2, 4, 128, 16, 4096, GqaAgg::kMean, BF16, E4M3, true, false, 20000},
+                      SelectCase{1, 8, 8, 128, 16, 128, GqaAgg::kMax, F16, E4M3, false, false, 32768}));
+
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;
   s.batch = 1;
@@ -263,6 +357,37 @@ TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   s.head_dim = 96;
   EXPECT_FALSE(PlanSelect(s, counts, 132, &plan, &err));
   EXPECT_NE(err.find("head_dim = 96"), std::string::npos) << err;
+}
+
+// E4M3 is a summary dtype only: queries in it, and summary dtypes that do not
+// exist, are refused before any launch (no GPU needed).
+TEST(SelectRejectTest, E4m3QueriesAndUnknownSummaryDtypes) {
+  SelectShape s;
+  s.batch = 1;
+  s.kv_heads = 1;
+  s.group = 1;
+  s.head_dim = 128;
+  s.page_size = 16;
+  s.page_budget = 2;
+  const int32_t counts[] = {40};
+  SelectPlan plan;
+  std::string err;
+  ASSERT_TRUE(PlanSelect(s, counts, 132, &plan, &err)) << err;
+  SelectParams p;
+  p.shape = s;
+  p.q_dtype = DType::kE4M3;
+  for (DType sum : {DType::kF16, DType::kE4M3}) {  // both in e4m3: refused by the fused select's dispatch
+    p.summary_dtype = sum;
+    EXPECT_EQ(LaunchSelect(plan, p, nullptr), cudaErrorInvalidValue);
+    EXPECT_NE(LastErrorMessage().find("unsupported dtype = 3 (supported: f32, f16, bf16)"), std::string::npos)
+        << LastErrorMessage();
+  }
+  p.q_dtype = DType::kF16;
+  p.summary_dtype = DType(9);
+  EXPECT_EQ(LaunchSelect(plan, p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(LastErrorMessage().find("unsupported summary dtype = 9 (supported: f32, f16, bf16, e4m3)"),
+            std::string::npos)
+      << LastErrorMessage();
 }
 
 }  // namespace
