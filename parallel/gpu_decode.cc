@@ -120,6 +120,9 @@ Result<std::unique_ptr<GpuDecoder>> GpuDecoder::Create(const Geometry& g, const 
   if (ranks < 1 || rank < 0 || rank >= ranks)
     return Status::InvalidArgument("GpuDecoder: rank " + std::to_string(rank) + " of " + std::to_string(ranks));
   if (batch.empty()) return Status::InvalidArgument("GpuDecoder: empty batch");
+  if (g.summary_dtype != SummaryDType::kKv)
+    return Status::Unimplemented("GpuDecoder: summaries are kept in f16; " +
+                                 std::string(SummaryDTypeName(g.summary_dtype)) + " summaries are the runtime's only");
   for (std::size_t b = 0; b < batch.size(); ++b)
     if (batch[b].num_pages < 1 || batch[b].tail_len < 1 || batch[b].tail_len > g.page_size)
       return Status::InvalidArgument("GpuDecoder: sequence " + std::to_string(b) + " has " +

@@ -218,9 +218,10 @@ class CudaBackendImpl final : public CudaBackend {
   // Summaries are kept in the model dtype: the min and max of keys stored in
   // that dtype are values of it, so nothing is rounded and scores (computed
   // in f32) are the same bits as from f32 summaries — at half the bytes the
-  // select reads, for f16/bf16.
-  kc::DType sum_dtype() const { return kc::DType(g_.dtype); }
-  std::size_t summary_bytes() const { return g_.summary_elems() * DTypeBytes(g_.dtype); }
+  // select reads, for f16/bf16. Or as E4M3 codes rounded outward, half again.
+  bool e4m3() const { return g_.summary_dtype == SummaryDType::kE4M3; }
+  kc::DType sum_dtype() const { return e4m3() ? kc::DType::kE4M3 : kc::DType(g_.dtype); }
+  std::size_t summary_bytes() const { return g_.summary_elems() * (e4m3() ? 1 : DTypeBytes(g_.dtype)); }
   char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
   int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
   void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }
@@ -856,11 +857,16 @@ Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, in
   const float* heads[kernels::kMaxKvHeads];
   for (int h = 0; h < H; ++h) heads[h] = keys.data() + h * hp;
   kernels::RebuildSummaryHeadsCpu(heads, summary.data(), H, g_.head_dim, len);
+  char* dst = summaries_.as<char>() + std::size_t(page) * summary_bytes();
+  if (e4m3()) {  // rounded outward on the host, as the append kernel rounds
+    std::vector<uint8_t> codes(summary.size());
+    kernels::EncodeSummaryE4m3Cpu(summary.data(), H, g_.head_dim, codes.data());
+    return Upload(dst, codes.data(), codes.size());
+  }
   // Through f32 on the device, converted exactly (the values are keys' values).
   QKV_RETURN_IF_ERROR(summary_f32_.Reserve(summary.size() * sizeof(float)));
   QKV_RETURN_IF_ERROR(Upload(summary_f32_.as(), summary.data(), summary.size() * sizeof(float)));
-  QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), kc::DType::kF32, summaries_.as<char>() + std::size_t(page) * summary_bytes(),
-                             sum_dtype(), summary.size(), stream_));
+  QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), kc::DType::kF32, dst, sum_dtype(), summary.size(), stream_));
   return Status::Ok();
 }
 
@@ -926,7 +932,10 @@ Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst)
     QKV_CUDA(cudaMemcpyAsync(raw.data() + i * summary_bytes(), summaries_.as<char>() + std::size_t(pages[i]) * summary_bytes(),
                              summary_bytes(), cudaMemcpyDeviceToHost, stream_));
   QKV_RETURN_IF_ERROR(Sync());
-  ToFloats(raw.data(), g_.dtype, pages.size() * elems, dst);
+  if (e4m3())
+    kernels::DecodeSummaryE4m3Cpu(reinterpret_cast<const uint8_t*>(raw.data()), pages.size() * elems, dst);
+  else
+    ToFloats(raw.data(), g_.dtype, pages.size() * elems, dst);
   return Status::Ok();
 }
 

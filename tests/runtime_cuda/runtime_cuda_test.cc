@@ -28,15 +28,17 @@ struct Case {
   GqaMode gqa;
   int q_heads, kv_heads;
   double tol;  // relative L2 of outputs against the CPU backend
+  SummaryDType summary = SummaryDType::kKv;
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << DTypeName(c.dtype) << "_" << GqaModeName(c.gqa) << "_Hq" << c.q_heads << "_Hkv" << c.kv_heads;
+  if (c.summary != SummaryDType::kKv) *os << "_" << SummaryDTypeName(c.summary);
 }
 
 Config MakeConfig(Backend b, const Case& c) {
   Config cfg;
   cfg.backend = b;
-  cfg.geometry = Geometry{3, c.q_heads, c.kv_heads, 64, 16, b == Backend::kCuda ? c.dtype : DType::kF32};
+  cfg.geometry = Geometry{3, c.q_heads, c.kv_heads, 64, 16, b == Backend::kCuda ? c.dtype : DType::kF32, c.summary};
   cfg.policy.token_budget = 128;  // 8 pages
   cfg.policy.sink_pages = 1;
   cfg.policy.local_pages = 2;
@@ -187,7 +189,14 @@ INSTANTIATE_TEST_SUITE_P(Backends, CudaVsCpu,
                                            Case{DType::kF16, GqaMode::kMean, 8, 2, 2e-3},
                                            Case{DType::kBF16, GqaMode::kUnion, 8, 2, 1e-2},
                                            Case{DType::kF16, GqaMode::kMax, 2, 2, 2e-3},
-                                           Case{DType::kF16, GqaMode::kUnion, 16, 2, 2e-3}));
+                                           Case{DType::kF16, GqaMode::kUnion, 16, 2, 2e-3},
+                                           // E4M3 summaries: the device's codes decode to the CPU
+                                           // backend's snapped bounds, so selections stay equal.
+                                           Case{DType::kF32, GqaMode::kMax, 8, 2, 1e-5, SummaryDType::kE4M3},
+                                           Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3, SummaryDType::kE4M3},
+                                           Case{DType::kBF16, GqaMode::kMean, 8, 2, 1e-2, SummaryDType::kE4M3},
+                                           Case{DType::kF16, GqaMode::kUnion, 16, 2, 2e-3, SummaryDType::kE4M3},
+                                           Case{DType::kF16, GqaMode::kMax, 2, 2, 2e-3, SummaryDType::kE4M3}));
 
 // Every page in HBM against an HBM that holds a fraction: the misses are
 // gathered from pinned host memory and the outputs are the same bits.
@@ -321,7 +330,9 @@ TEST(CudaTiers, DiskTierStrictIsBitIdenticalAndDeadlineCompletes) {
 // Fork (copy of a partial tail), rollback (in place and from a sealed page),
 // prefix sharing, and freeing, against the CPU backend.
 TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
-  const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5};
+  for (const SummaryDType sum : {SummaryDType::kKv, SummaryDType::kE4M3}) {
+  SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
+  const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5, sum};
   QKV_CREATE_CUDA(gpu, MakeConfig(Backend::kCuda, c));
   auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
   ASSERT_TRUE(cpu.ok());
@@ -359,6 +370,7 @@ TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
   for (int i = 0; i < 2; ++i) {
     for (SeqId id : {a[i], f[i], p[i]}) ASSERT_TRUE(rts[i]->Free(id).ok());
     EXPECT_EQ(rts[i]->live_pages(), 0u);
+  }
   }
 }
 
