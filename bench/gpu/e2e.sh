@@ -12,6 +12,8 @@
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
 #            HBM budget of 1/8 of the K/V (where that holds two steps' selections: >= 32K); plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
 #   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
+#   l3-all-e4m3, l3-2g-e4m3, l2-all-e4m3   l3-all, l3-2g and l2-all with 8-bit E4M3 summaries
+#            (--summary-dtype e4m3): the select scans half the bytes; recall sampled on l3-all-e4m3
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk);
@@ -52,6 +54,9 @@ for run in $RUNS; do
     l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
     gen-check) one sweep-32768-hostgen --preset llama3-8b --context 32768 --steps 16 --recall-every 0 --gen host ;;
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
+    l3-all-e4m3) one l3-all-e4m3 $L3 --summary-dtype e4m3 --recall-every 32 ;;
+    l3-2g-e4m3) one l3-2g-e4m3 $L3 --summary-dtype e4m3 --hbm-bytes 2G --recall-every 0 ;;
+    l2-all-e4m3) one l2-all-e4m3 --preset llama2-7b --context 131072 --steps $STEPS --summary-dtype e4m3 --recall-every 0 ;;
     l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;
     l3g-2g) one l3g-2g $L3 --workload gaussian --hbm-bytes 2G --recall-every 0 ;;
     l2-all) one l2-all --preset llama2-7b --context 131072 --steps $STEPS --recall-every 0 ;;

@@ -16,6 +16,8 @@
 //          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b] [--batches 1,16]]
 //          [--split-long-rows]  (rows of 16K+ pages: the top-K's phases one launch each, for an A/B)
 //          [--attend-only [--geometry ..] [--batches ..]]  (copy + attend: a quick A/B of the attention)
+//          [--summary-dtype f16|e4m3]  (the select and step summaries; default f16; TB/s figures
+//                                       count their bytes at 2 or 1 a element)
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -25,10 +27,12 @@
 #include <cstring>
 #include <cstdarg>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench/gpu/check.cuh"
 #include "kernels/cuda/kernels_cuda.h"
+#include "kernels/e4m3.h"
 
 using namespace questkv::kernels::cuda;
 
@@ -50,14 +54,21 @@ __global__ void FillHalf(__half* x, size_t n, uint64_t seed) {
     x[i] = __float2half(float(Hash(i * 0x9E3779B97F4A7C15ULL + seed)) * (2.f / 4294967296.f) - 1.f);
 }
 
-// Summaries [pages][Hkv][2][D]: min = c - w, max = c + w.
-__global__ void FillSummary(__half* s, size_t heads, int d, uint64_t seed) {
+// Summaries [pages][Hkv][2][D]: min = c - w, max = c + w (uint8_t: E4M3
+// codes, min rounded down and max up).
+template <typename T>
+__global__ void FillSummary(T* s, size_t heads, int d, uint64_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < heads * d; i += size_t(gridDim.x) * blockDim.x) {
     const float c = float(Hash(i + seed)) * (2.f / 4294967296.f) - 1.f;
     const float w = float(Hash(i + seed * 3 + 1)) * (1.f / 4294967296.f);
     const size_t head = i / d, j = i % d;
-    s[head * 2 * d + j] = __float2half(c - w);
-    s[head * 2 * d + d + j] = __float2half(c + w);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      s[head * 2 * d + j] = questkv::e4m3::RoundDown(c - w);
+      s[head * 2 * d + d + j] = questkv::e4m3::RoundUp(c + w);
+    } else {
+      s[head * 2 * d + j] = __float2half(c - w);
+      s[head * 2 * d + d + j] = __float2half(c + w);
+    }
   }
 }
 
@@ -111,6 +122,7 @@ const Geo kAttendGeos[] = {kGeos[0], kGeos[1], {"llama3-70b", 8, 8}};
 constexpr int D = 128, S = 16;
 int g_sms = 0;
 bool g_split_long_rows = false;  // --split-long-rows
+DType g_summary_dtype = DType::kF16;  // --summary-dtype
 FILE* g_json = nullptr;
 std::vector<std::string> g_table;
 
@@ -218,9 +230,11 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   const int H = g.kv_heads, G = g.group, rows = batch * H;
   const size_t head_pages = size_t(batch) * n * H;
   const size_t slot_bytes = size_t(2) * S * D * 2;
-  Dev pool(dense ? head_pages * slot_bytes : 16), summ(head_pages * 2 * D * 2);
+  const size_t summary_bytes = head_pages * 2 * D * DTypeBytes(g_summary_dtype);
+  Dev pool(dense ? head_pages * slot_bytes : 16), summ(summary_bytes);
   if (dense) FillHalf<<<8192, 256>>>(pool.as<__half>(), pool.bytes / 2, 11);
-  FillSummary<<<8192, 256>>>(summ.as<__half>(), head_pages, D, 12);
+  if (g_summary_dtype == DType::kE4M3) FillSummary<<<8192, 256>>>(summ.as<uint8_t>(), head_pages, D, 12);
+  else FillSummary<<<8192, 256>>>(summ.as<__half>(), head_pages, D, 12);
   Dev q(size_t(rows) * G * D * 2), o(size_t(rows) * G * D * 2);
   FillHalf<<<64, 256>>>(q.as<__half>(), q.bytes / 2, 13);
   std::vector<int32_t> counts(batch, n), page_indptr(batch + 1);
@@ -232,7 +246,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   const int32_t slot_mod = dense ? int32_t(head_pages) : 1;
   Iota<<<1024, 256>>>(d_hbm.as<int32_t>(), head_pages, 1, std::max<int32_t>(slot_mod, 1));
   StepResult r{};
-  r.summary_bytes = double(head_pages) * 2 * D * 2;
+  r.summary_bytes = double(summary_bytes);
   std::string err;
 
   SelectShape ss;
@@ -254,7 +268,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   SelectParams sp;
   sp.shape = ss;
   sp.q_dtype = DType::kF16;
-  sp.summary_dtype = DType::kF16;
+  sp.summary_dtype = g_summary_dtype;
   sp.q = q.p;
   sp.summaries = summ.p;
   sp.page_indptr = d_pind.as<int32_t>();
@@ -316,7 +330,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   CHECK(cudaMemcpy(d_last.p, last_len.data(), last_len.size() * 4, cudaMemcpyHostToDevice));
   AppendParams app;
   app.kv_dtype = DType::kF16;
-  app.summary_dtype = DType::kF16;
+  app.summary_dtype = g_summary_dtype;
   app.batch = batch;
   app.kv_heads = H;
   app.page_size = S;
@@ -513,6 +527,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--split-long-rows")) g_split_long_rows = true;
+    else if (!std::strcmp(argv[i], "--summary-dtype") && i + 1 < argc) {
+      const char* v = argv[++i];
+      if (!std::strcmp(v, "f16")) g_summary_dtype = DType::kF16;
+      else if (!std::strcmp(v, "e4m3")) g_summary_dtype = DType::kE4M3;
+      else return std::fprintf(stderr, "--summary-dtype %s: f16 or e4m3\n", v), 1;
+    }
   }
   g_json = std::fopen(json, "w");
   if (!g_json) return std::perror(json), 1;
@@ -520,7 +540,9 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, g_sms, prop.l2CacheSize >> 20);
-  Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d}", prop.name, g_sms);
+  Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d,\"summary_dtype\":\"%s\"}", prop.name, g_sms,
+       DTypeName(g_summary_dtype));
+  if (g_summary_dtype != DType::kF16) std::printf("summaries: %s\n", DTypeName(g_summary_dtype));
   Timer tm;
   if (select_only) {  // quick A/B of select: no dense pools, no attention sweep
     for (const Geo& g : kGeos)
@@ -550,7 +572,9 @@ int main(int argc, char** argv) {
   }
   BenchAttend(tm, reps);
   BenchSteps(tm, reps);
-  std::printf("\n== questkv GPU kernels (fp16 K/V, D=128, S=16, budget 2048 in steps; medians, cold L2) ==\n");
+  std::printf("\n== questkv GPU kernels (fp16 K/V, %s summaries, D=128, S=16, budget 2048 in steps; medians, "
+              "cold L2) ==\n",
+              DTypeName(g_summary_dtype));
   std::printf("copy %.3f TB/s read+write; judge read-mostly kernels against ~4.6 TB/s\n", copy);
   for (const auto& l : g_table) std::printf("%s\n", l.c_str());
   std::fclose(g_json);

@@ -7,7 +7,8 @@
 # (the CUDA backend end to end) and questkv (the e2e runs). A part whose
 # binary is absent is skipped. SAN=0 skips compute-sanitizer; SDPA=0 skips
 # the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py); KERNELS=0 skips the
-# kernel tests and benchmarks, BENCH=0 the kernel benchmarks; E2E="run ..." adds bench/gpu/e2e.sh's runs
+# kernel tests and benchmarks, BENCH=0 the kernel benchmarks, E4M3=0 the benchmarks' second
+# pass with 8-bit E4M3 summaries; E2E="run ..." adds bench/gpu/e2e.sh's runs
 # (issue #5), whose table then comes last.
 set -u -o pipefail
 BIN=${1:-.device/bin}
@@ -32,7 +33,7 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED|Failure|error" "$OUT/tests.log" | 
 if [ "${SAN:-1}" = 0 ]; then
   echo "compute-sanitizer: skipped (SAN=0)"
 elif command -v compute-sanitizer >/dev/null; then
-  SUB='Sizes/AppendCudaTest.*/1:Sizes/ResolveCudaTest.*/1:Policies/SelectCudaTest.*/1:Policies/SelectCudaTest.*/3:Policies/SelectCudaTest.*/14:Policies/SelectCudaTest.*/20:Policies/SelectCudaTest.*/21:Policies/SelectCudaTest.*/22:Sizes/AttendCudaTest.*/1:Sizes/AttendCudaTest.*/6:AttendGraphTest.*:Summaries/LayerStepGraphTest.*'
+  SUB='Sizes/AppendCudaTest.*/1:Sizes/ResolveCudaTest.*/1:Policies/SelectCudaTest.*/1:Policies/SelectCudaTest.*/3:Policies/SelectCudaTest.*/14:Policies/SelectCudaTest.*/20:Policies/SelectCudaTest.*/21:Policies/SelectCudaTest.*/22:Sizes/AttendCudaTest.*/1:Sizes/AttendCudaTest.*/6:AttendGraphTest.*:Summaries/LayerStepGraphTest.*:E4m3/SelectCudaTest.*/0:E4m3/SelectCudaTest.*/1:E4m3/SelectCudaTest.*/3:E4m3/AppendCudaTest.*/1'
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer $tool"
     timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/questkv_kernels_cuda_test" \
@@ -55,9 +56,16 @@ if [ -x "$BIN/questkv_gather_bench" ]; then
 fi
 echo "== bench"
 "$BIN/questkv_gpu_kernels_bench" --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+BENCH_JSONS=(--bench-json "$OUT/bench.json")
+if [ "${E4M3:-1}" != 0 ]; then
+  echo "== bench, E4M3 summaries"
+  "$BIN/questkv_gpu_kernels_bench" --summary-dtype e4m3 --json "$OUT/bench-e4m3.json" "$@" 2>&1 |
+    tee "$OUT/bench-e4m3.log" | tail -60
+  BENCH_JSONS+=(--bench-json "$OUT/bench-e4m3.json")
+fi
 if [ "${SDPA:-1}" != 0 ]; then
   echo "== sdpa baseline"
-  python3 bench/gpu/sdpa_baseline.py --bench-json "$OUT/bench.json" 2>&1 | tee "$OUT/sdpa.log" | tail -40
+  python3 bench/gpu/sdpa_baseline.py "${BENCH_JSONS[@]}" 2>&1 | tee "$OUT/sdpa.log" | tail -60
 fi
 if [ -n "${E2E:-}" ]; then bash bench/gpu/e2e.sh "$BIN" $E2E || status=1; fi
 exit $status

@@ -5,14 +5,14 @@ rows, measured like the C++ bench (CUDA events, a 512 MiB L2-flushing fill befor
 comparison table last: the whole Quest step (append + select + resolve + attend) vs the best of
 our dense kernel and SDPA, speedup vs the ideal 1/rho, and the crossover context below which
 dense is faster.
-usage: python3 bench/gpu/sdpa_baseline.py [--bench-json $OUT/bench.json] [--reps 15]"""
+usage: python3 bench/gpu/sdpa_baseline.py [--bench-json $OUT/bench.json [--bench-json $OUT/bench-e4m3.json]] [--reps 15]"""
 import argparse, json, math, os
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--bench-json", default=None)
+ap.add_argument("--bench-json", action="append", help="the C++ bench's JSON lines; repeat for several runs")
 ap.add_argument("--reps", type=int, default=15)
 args = ap.parse_args()
 dev = "cuda"
@@ -86,16 +86,23 @@ out = os.environ.get("OUT", ".")
 json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows},
           open(os.path.join(out, "sdpa_baseline.json"), "w"), indent=1)
 
-if args.bench_json:
-    steps = {}
-    for line in open(args.bench_json):
+def step_table(path):
+    steps, summary_dtype = {}, "f16"
+    for line in open(path):
         r = json.loads(line)
         if r.get("bench") == "step":
             steps[(r["geometry"], r["batch"], r["context"])] = r
-    print(f"\n== Quest step (append + select + resolve + attend, all hits; budget {BUDGET}, S={S}) vs dense decode "
-          f"attention; us, medians, cold L2 ==")
+        elif r.get("bench") == "device":
+            summary_dtype = r.get("summary_dtype", "f16")
+    # The ideal 1/rho (seed eq. 12, issue #4) counts summaries at 1/S of the K/V bytes, as f16
+    # summaries over f16 K/V are; 1-byte E4M3 summaries are half that, so their byte-count ideal,
+    # 1/(1/(2S) + B/N), is printed beside it.
+    summary_share = 0.5 if summary_dtype == "e4m3" else 1.0
+    print(f"\n== Quest step (append + select + resolve + attend, all hits; budget {BUDGET}, S={S}, {summary_dtype} "
+          f"summaries) vs dense decode attention; us, medians, cold L2 ==")
     print(f"{'geometry':9s} {'b':>2s} {'ctx':>8s} {'step':>8s} {'sel+att':>8s} {'own dense':>10s} {'flash':>9s} "
-          f"{'cudnn':>9s} {'vs best':>8s} {'ideal':>6s} {'% ideal':>8s} {'sel+att %':>9s} {'graph step':>10s} {'% ideal':>8s}")
+          f"{'cudnn':>9s} {'vs best':>8s} {'ideal':>6s} {'% ideal':>8s} {'sel+att %':>9s} {'graph step':>10s} {'% ideal':>8s}"
+          + (f" {'byte ideal':>10s} {'%':>5s}" if summary_share != 1.0 else ""))
     cross = {}
     for r in rows:
         key = (r["geometry"], r["batch"], r["context"])
@@ -105,6 +112,7 @@ if args.bench_json:
         sdpa = min(x for x in (r["flash_us"], r["cudnn_us"]) if x) if (r["flash_us"] or r["cudnn_us"]) else math.nan
         best_dense = min(st["dense_us"], sdpa)
         ideal = 1.0 / (1.0 / S + min(1.0, BUDGET / r["context"]))
+        byte_ideal = 1.0 / (summary_share / S + min(1.0, BUDGET / r["context"]))
         sp = best_dense / st["whole_us"]
         sp_sa = best_dense / st["step_us"]
         # Graph replays on both sides: our step and dense kernel, SDPA captured by torch.cuda.graph.
@@ -114,7 +122,8 @@ if args.bench_json:
         print(f"{r['geometry']:9s} {r['batch']:>2d} {r['context']:>8d} {st['whole_us']:8.1f} {st['step_us']:8.1f} "
               f"{st['dense_us']:10.1f} {r['flash_us'] or math.nan:9.1f} {r['cudnn_us'] or math.nan:9.1f} "
               f"{sp:7.2f}x {ideal:5.2f}x {100 * sp / ideal:7.0f}% {100 * sp_sa / ideal:8.0f}% "
-              f"{step_graph or math.nan:10.1f} {100 * sp_graph / ideal:7.0f}%")
+              f"{step_graph or math.nan:10.1f} {100 * sp_graph / ideal:7.0f}%"
+              + (f" {byte_ideal:9.2f}x {100 * sp / byte_ideal:4.0f}%" if summary_share != 1.0 else ""))
         c = cross.setdefault(key[:2], [])
         c.append((r["context"], sp >= 1.0))
     print("step: the runtime's layer step (append one token, select, resolve every selected head-page as a hit, attend);")
@@ -132,3 +141,7 @@ if args.bench_json:
         else:
             msg = f"dense faster up to {max(slower)}, Quest faster from {min(t for t in faster if t > max(slower)) if any(t > max(slower) for t in faster) else 'n/a'}"
         print(f"crossover {geo} b={b}: {msg}")
+
+
+for path in args.bench_json or []:
+    step_table(path)

@@ -221,6 +221,26 @@ TEST(RunCommand, DecodeApiNeedsTheCudaBackend) {
   EXPECT_NE(out.find("\"decode_api\":\"host\""), std::string::npos) << out;
 }
 
+// --summary-dtype e4m3: the report names it, recall stays close to the exact
+// summaries' (the bounds only loosen), and an unknown dtype is a usage error.
+TEST(RunCommand, E4m3SummariesRunAndReportThemselves) {
+  const char* bad[] = {"run", "--summary-dtype", "int4", "--no-progress"};
+  EXPECT_EQ(RunMain(4, const_cast<char**>(bad)), 2);
+  const char* e4m3[] = {"run", "--summary-dtype", "e4m3", "--layers", "3", "--context", "600", "--steps", "2",
+                        "--no-progress", "--json"};
+  testing::internal::CaptureStdout();
+  EXPECT_EQ(RunMain(11, const_cast<char**>(e4m3)), 0);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("\"summary_dtype\":\"e4m3\""), std::string::npos) << out;
+  RunOptions exact = Small(), small = Small();
+  small.config.geometry.summary_dtype = SummaryDType::kE4M3;
+  auto re = RunJob(exact), r8 = RunJob(small);
+  ASSERT_TRUE(re.ok() && r8.ok());
+  EXPECT_EQ(r8->diagnosed, re->diagnosed);
+  EXPECT_NEAR(r8->attention_mass_recall, re->attention_mass_recall, 0.02);
+  EXPECT_GE(r8->page_recall, re->page_recall - 0.05);
+}
+
 TEST(RunJob, BadOptionsAreErrors) {
   RunOptions o = Small();
   o.batch = 0;
