@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "usage: questkv attend --keys K.npy --values V.npy --query Q.npy\n"
     "                      --page-size S --token-budget B --output O.npy\n"
     "                      [--selected SEL.npy] [--sink-pages N] [--local-pages N]\n"
-    "                      [--gqa max|mean|union] [--dense]\n"
+    "                      [--gqa max|mean|union] [--dense] [--summary-dtype kv|e4m3]\n"
     "\n"
     "Replays one decode query over K/V from .npy files through the questkv runtime\n"
     "(CPU backend, fp32) and writes the attention output and the selected pages.\n"
@@ -56,6 +56,9 @@ constexpr char kUsage[] =
     "  --gqa MODE           query-head aggregation per KV head: max (default), mean,\n"
     "                       or union of per-query-head top-K\n"
     "  --dense              attend every page\n"
+    "  --summary-dtype T    page summaries exact (kv, default) or as 8-bit E4M3 codes,\n"
+    "                       each min rounded down and max up (a bound past +-448 is\n"
+    "                       infinite and its page scores +inf)\n"
     "  --output O.npy       float32 [Hq, D] output, softmax scale 1/sqrt(D)\n"
     "  --selected SEL.npy   int32 [Hkv, N] selected logical page indices per KV head,\n"
     "                       ascending, padded with -1\n"
@@ -70,6 +73,7 @@ struct AttendArgs {
   int64_t sink_pages = 0;
   int64_t local_pages = 1;
   GqaMode gqa = GqaMode::kMax;
+  SummaryDType summary_dtype = SummaryDType::kKv;
   bool dense = false;
 };
 
@@ -82,7 +86,7 @@ int Fail(int code, const std::string& message) {
 // Flags alone decide a usage error: any failure here exits 2.
 Result<AttendArgs> ParseArgs(int argc, char** argv) {
   Flags flags({"keys", "values", "query", "output", "selected", "page-size", "token-budget", "sink-pages",
-               "local-pages", "gqa"},
+               "local-pages", "gqa", "summary-dtype"},
               {"dense"});
   QKV_RETURN_IF_ERROR(flags.Parse(argc, argv));
   AttendArgs a;
@@ -104,6 +108,10 @@ Result<AttendArgs> ParseArgs(int argc, char** argv) {
   Result<GqaMode> mode = ParseGqaMode(gqa);
   if (!mode.ok()) return Status::InvalidArgument("--gqa: " + mode.status().message());
   a.gqa = *mode;
+  QKV_ASSIGN_OR_RETURN(const std::string summary, flags.String("summary-dtype", "kv"));
+  Result<SummaryDType> sd = ParseSummaryDType(summary);
+  if (!sd.ok()) return Status::InvalidArgument("--summary-dtype: " + sd.status().message());
+  a.summary_dtype = *sd;
   if (!a.dense) {
     const int64_t pages = a.token_budget / a.page_size;
     if (pages < a.sink_pages + a.local_pages)
@@ -180,6 +188,7 @@ Result<Config> MakeConfig(const AttendArgs& a, const Inputs& in) {
   c.geometry.head_dim = in.d;
   c.geometry.page_size = int(a.page_size);
   c.geometry.dtype = DType::kF32;
+  c.geometry.summary_dtype = a.summary_dtype;
   c.policy.token_budget = a.token_budget < 0 ? 0 : a.token_budget;
   c.policy.sink_pages = int(a.sink_pages);
   c.policy.local_pages = int(a.local_pages);

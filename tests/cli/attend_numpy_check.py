@@ -3,7 +3,8 @@
 usage: /usr/bin/python3 attend_numpy_check.py path/to/questkv [--cases N] [--seed S] [--verbose]
 
 For many seeded random cases (geometries, page sizes around T, float16 and
-float32 inputs, the three GQA modes, sink/local mixes, dense, planted ties) it
+float32 inputs, the three GQA modes, sink/local mixes, dense, planted ties,
+exact and E4M3 summaries, keys past E4M3's +-448) it
 writes K/V/Q with NumPy, runs the binary, and requires the same selected pages
 exactly and outputs within 1e-4 relative (L2 per query head). A few bad inputs
 must fail with the documented exit codes. Prints one summary line; exits 1 on
@@ -57,7 +58,9 @@ def make_case(rng, index):
                 gqa=ref.GQA_MODES[index % 3], budget=budget,
                 kv_dtype=np.float16 if rng.random() < 0.35 else np.float32,
                 q_dtype=np.float16 if rng.random() < 0.25 else np.float32,
-                ties=rng.random() < 0.15, plant=rng.random() < 0.5)
+                ties=rng.random() < 0.15, plant=rng.random() < 0.5,
+                # Decided by the index, so the random draws of the other cases stay as they were.
+                summary="e4m3" if index % 4 == 3 else "kv", beyond=index % 8 == 7)
 
 
 def make_inputs(case, rng):
@@ -75,6 +78,11 @@ def make_inputs(case, rng):
             for p in rng.choice(full_pages, size=min(3, full_pages), replace=False):
                 row = p * s + int(rng.integers(s))
                 k[h, row] += 2.0 * q[h * group:(h + 1) * group].mean(axis=0)
+    if case["beyond"]:
+        # A few key elements past E4M3's range: their bounds become infinite.
+        for _ in range(3):
+            h, row, j = int(rng.integers(hkv)), int(rng.integers(t)), int(rng.integers(d))
+            k[h, row, j] = float(rng.choice([-1.0, 1.0])) * float(rng.uniform(500.0, 1000.0))
     if case["ties"] and full_pages > 3:
         # Copies of one full page into several others: identical summaries, so
         # exactly equal scores that must go to the lower page index.
@@ -102,7 +110,7 @@ def check_case(binary, tmp, case, k, v, q):
     args = ["--keys", paths["k"], "--values", paths["v"], "--query", paths["q"], "--page-size", str(case["s"]),
             "--token-budget", str(case["budget"]), "--sink-pages", str(case["sink"]),
             "--local-pages", str(case["local"]), "--gqa", case["gqa"], "--output", paths["o"],
-            "--selected", paths["sel"]]
+            "--selected", paths["sel"], "--summary-dtype", case["summary"]]
     if case["dense"]:
         args.append("--dense")
     r = run(binary, args)
@@ -110,7 +118,7 @@ def check_case(binary, tmp, case, k, v, q):
         return ["exit %d: %s" % (r.returncode, r.stderr.strip())], np.inf
     k32, v32, q32 = (x.astype(np.float32) for x in (k, v, q))
     want_o, want_sel = ref.reference(k32, v32, q32, case["s"], case["budget"], case["sink"], case["local"],
-                                     case["gqa"], case["dense"])
+                                     case["gqa"], case["dense"], case["summary"])
     got_o, got_sel = np.load(paths["o"]), np.load(paths["sel"])
     problems = []
     if got_sel.dtype != np.int32 or got_sel.shape != want_sel.shape or not np.array_equal(got_sel, want_sel):
@@ -135,7 +143,7 @@ def check_case(binary, tmp, case, k, v, q):
 
 def describe(case):
     return ("Hq %(hq)d Hkv %(hkv)d D %(d)d S %(s)d T %(t)d B %(budget)d sink %(sink)d local %(local)d "
-            "gqa %(gqa)s dense %(dense)s" % case) + " kv %s q %s ties %s" % (
+            "gqa %(gqa)s dense %(dense)s summary %(summary)s beyond %(beyond)s" % case) + " kv %s q %s ties %s" % (
                 np.dtype(case["kv_dtype"]).name, np.dtype(case["q_dtype"]).name, case["ties"])
 
 
@@ -168,6 +176,7 @@ def check_errors(binary, tmp):
     expect("fortran order", base, 1, "Fortran", dict(ok, k=np.asfortranarray(k)))
     expect("big-endian", base, 1, "big-endian", dict(ok, k=k.astype(">f4")))
     expect("budget below sink + local", base + ["--sink-pages", "1", "--local-pages", "2"], 2, "fewer than", ok)
+    expect("unknown summary dtype", base + ["--summary-dtype", "int4"], 2, "--summary-dtype", ok)
     expect("missing flag", base[2:], 2, "missing required flag --keys", ok)
     return len(checks), problems
 
@@ -184,7 +193,7 @@ def main():
         return 1
 
     failures, worst, regenerated, boundary_ties, bad_cases = [], 0.0, 0, 0, 0
-    counts = dict(f16=0, dense=0, ties=0, sparse=0)
+    counts = dict(f16=0, dense=0, ties=0, sparse=0, e4m3=0)
     with tempfile.TemporaryDirectory(prefix="questkv_attend_check_") as tmp:
         for i in range(opts.cases):
             rng = np.random.default_rng([opts.seed, i])
@@ -193,7 +202,7 @@ def main():
                 k, v, q = make_inputs(case, rng)
                 kq = (k.astype(np.float32), q.astype(np.float32))
                 gap, ties = ref.boundary_gap(kq[0], kq[1], case["s"], case["budget"], case["sink"], case["local"],
-                                             case["gqa"], case["dense"])
+                                             case["gqa"], case["dense"], case["summary"])
                 if gap >= NEAR_TIE:
                     boundary_ties += ties
                     break
@@ -207,6 +216,7 @@ def main():
             counts["f16"] += case["kv_dtype"] == np.float16 or case["q_dtype"] == np.float16
             counts["dense"] += bool(case["dense"])
             counts["ties"] += bool(case["ties"])
+            counts["e4m3"] += case["summary"] == "e4m3"
             counts["sparse"] += ref.plan(case["t"], case["s"], case["budget"], case["sink"], case["local"],
                                          case["dense"]) is not None
             if opts.verbose:
@@ -220,10 +230,11 @@ def main():
 
     for f in failures[:20]:
         sys.stderr.write(f + "\n")
-    print("attend_numpy_check: %s: %d cases (%d sparse, %d dense, %d with float16, %d with planted ties; "
-          "%d exact ties at a top-K boundary, %d near-tie draws redrawn), %d bad-input checks, %d failing, worst output rel error %.2g (tol %g)" %
+    print("attend_numpy_check: %s: %d cases (%d sparse, %d dense, %d with float16, %d with planted ties, "
+          "%d with E4M3 summaries; %d exact ties at a top-K boundary, %d near-tie draws redrawn), %d bad-input "
+          "checks, %d failing, worst output rel error %.2g (tol %g)" %
           ("FAILED" if failures else "ok", opts.cases, counts["sparse"], counts["dense"], counts["f16"],
-           counts["ties"], boundary_ties, regenerated, error_checks, bad_cases, worst, REL_TOL))
+           counts["ties"], counts["e4m3"], boundary_ties, regenerated, error_checks, bad_cases, worst, REL_TOL))
     return 1 if failures else 0
 
 

@@ -16,11 +16,34 @@ Selection, per KV head h with group G = Hq / Hkv and P = ceil(T / S) pages:
     ties go to the lower page index.
 Attention: each query head attends the valid tokens of its KV head's selected
 pages, softmax scale 1/sqrt(D).
+
+With summary "e4m3" each summary min is rounded down and each max up onto the
+values of the OCP E4M3 format (built below from its definition, with -inf and
++inf beyond +-448), and a page scores +inf when any bound its query chooses
+(max where q_j >= 0, else min) is infinite.
 """
 
 import numpy as np
 
 GQA_MODES = ("max", "mean", "union")
+SUMMARY_DTYPES = ("kv", "e4m3")
+
+
+def e4m3_values():
+    """Every E4M3 value, ascending, with -inf and +inf for the two NaN codes (exponent 15, mantissa 7)."""
+    mags = [m / 8 * 2.0 ** -6 for m in range(8)]
+    mags += [(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16) for m in range(8) if (e, m) != (15, 7)]
+    return np.array(sorted(set([-x for x in mags] + mags + [-np.inf, np.inf])))
+
+
+E4M3 = e4m3_values()
+
+
+def snap(mins, maxs):
+    """Summaries rounded outward onto E4M3: mins to the largest value <= them, maxs to the smallest >= them."""
+    down = E4M3[np.searchsorted(E4M3, mins, side="right") - 1]
+    up = E4M3[np.searchsorted(E4M3, maxs, side="left")]
+    return down, up
 
 
 def num_pages(tokens, page_size):
@@ -38,9 +61,13 @@ def page_summaries(keys, page_size):
     return np.array(mins), np.array(maxs)
 
 
-def page_scores(q, mins, maxs):
+def page_scores(q, mins, maxs, summary="kv"):
     """q [D], summaries [P, D] -> U [P]."""
-    return np.maximum(q * mins, q * maxs).sum(axis=1)
+    if summary == "kv":
+        return np.maximum(q * mins, q * maxs).sum(axis=1)
+    chosen = np.where(q >= 0, maxs, mins)
+    finite = np.isfinite(chosen).all(axis=1)
+    return np.where(finite, (q * np.where(np.isfinite(chosen), chosen, 0)).sum(axis=1), np.inf)
 
 
 def ranked(scores, candidates):
@@ -48,10 +75,12 @@ def ranked(scores, candidates):
     return sorted(candidates, key=lambda p: (-scores[p], p))
 
 
-def group_scores(keys, queries, page_size):
+def group_scores(keys, queries, page_size, summary="kv"):
     """keys [T, D] of one KV head, queries [G, D] of its group -> [G, P]."""
     mins, maxs = page_summaries(keys.astype(np.float64), page_size)
-    return np.array([page_scores(q.astype(np.float64), mins, maxs) for q in queries])
+    if summary == "e4m3":
+        mins, maxs = snap(mins, maxs)
+    return np.array([page_scores(q.astype(np.float64), mins, maxs, summary) for q in queries])
 
 
 def plan(tokens, page_size, token_budget, sink_pages, local_pages, dense):
@@ -78,7 +107,7 @@ def rankings(scores, gqa):
     raise ValueError("unknown gqa mode " + gqa)
 
 
-def select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense):
+def select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense, summary="kv"):
     """-> list over KV heads of ascending selected page indices."""
     hkv, tokens, _ = k.shape
     group = q.shape[0] // hkv
@@ -88,7 +117,7 @@ def select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense):
     fixed, candidates, top = p
     rows = []
     for h in range(hkv):
-        scores = group_scores(k[h], q[h * group:(h + 1) * group], page_size)
+        scores = group_scores(k[h], q[h * group:(h + 1) * group], page_size, summary)
         chosen = set(fixed)
         for s in rankings(scores, gqa):
             chosen |= set(ranked(s, candidates)[:top])
@@ -96,14 +125,15 @@ def select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense):
     return rows
 
 
-def boundary_gap(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense):
+def boundary_gap(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense, summary="kv"):
     """(smallest non-zero relative gap, number of exact ties) between the last
     page taken and the first page left out, over every ranking.
 
     A gap of exactly zero is a true tie (identical summaries), which both
     implementations must break toward the lower index; a tiny non-zero gap is
     a near-tie that float32 rounding could flip, so callers avoid such inputs.
-    The gap is inf when nothing is ranked.
+    The gap is inf when nothing is ranked. Infinite scores (e4m3) are equal
+    to each other and far from any finite one; the scale is the finite ones'.
     """
     hkv, tokens, _ = k.shape
     group = q.shape[0] // hkv
@@ -113,15 +143,16 @@ def boundary_gap(k, q, page_size, token_budget, sink_pages, local_pages, gqa, de
         return smallest, ties
     _, candidates, top = p
     for h in range(hkv):
-        scores = group_scores(k[h], q[h * group:(h + 1) * group], page_size)
+        scores = group_scores(k[h], q[h * group:(h + 1) * group], page_size, summary)
         for s in rankings(scores, gqa):
             order = ranked(s, candidates)
             if top == 0 or top >= len(order):
                 continue
-            scale = max(np.abs(s[candidates]).max(), 1e-30)
-            gap = (s[order[top - 1]] - s[order[top]]) / scale
-            if gap > 0:
-                smallest = min(smallest, gap)
+            finite = s[candidates][np.isfinite(s[candidates])]
+            scale = max(np.abs(finite).max() if finite.size else 0.0, 1e-30)
+            a, b = s[order[top - 1]], s[order[top]]
+            if a > b:
+                smallest = min(smallest, (a - b) / scale)
             else:
                 ties += 1
     return smallest, ties
@@ -150,7 +181,7 @@ def selection_matrix(rows):
     return m
 
 
-def reference(k, v, q, page_size, token_budget, sink_pages=0, local_pages=1, gqa="max", dense=False):
+def reference(k, v, q, page_size, token_budget, sink_pages=0, local_pages=1, gqa="max", dense=False, summary="kv"):
     """-> (O [Hq, D] float64, SEL [Hkv, N] int32), what `questkv attend` must write."""
-    rows = select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense)
+    rows = select(k, q, page_size, token_budget, sink_pages, local_pages, gqa, dense, summary)
     return attend(k, v, q, page_size, rows), selection_matrix(rows)
