@@ -98,19 +98,10 @@ QKV_HD uint8_t RoundDown(float x) {
   return uint8_t(0x80u | up);
 }
 
-// The smallest value on the grid >= x (max of a box): the mirror of RoundDown.
-QKV_HD uint8_t RoundUp(float x) {
-  const uint32_t bits = FloatBits(x);
-  const uint32_t mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return kPosInf;  // NaN
-  bool inexact = false;
-  if (bits >> 31) {
-    if (mag == 0x7F800000u) return kNegInf;
-    return uint8_t(0x80u | MagnitudeDown(mag, &inexact));
-  }
-  const uint32_t down = MagnitudeDown(mag, &inexact);
-  return uint8_t(inexact ? down + 1 : down);
-}
+// The smallest value on the grid >= x (max of a box): RoundDown's mirror,
+// since the grid is symmetric and the sign is the code's top bit (so -inf
+// stays -inf, anything past 448 is +inf, NaN is +inf).
+QKV_HD uint8_t RoundUp(float x) { return uint8_t(RoundDown(-x) ^ 0x80u); }
 
 // The value of a code: ±inf for 0x7F / 0xFF, -0 for 0x80.
 QKV_HD float ToFloat(uint8_t c) {

@@ -81,7 +81,7 @@ void ContextParallel::ScoreOwned(const ContextShard& in) {
   for (int h = 0; h < g_.kv_heads; ++h)
     kernels::ScorePagesCpu(in.q + std::size_t(h) * group * g_.head_dim, group, g_.head_dim, in.summary_slab,
                            g_.kv_heads, h, in.page_ids, n, scores_.data() + std::size_t(h) * group * n,
-                           g_.summary_dtype == SummaryDType::kE4M3);
+                           g_.e4m3_summaries());
 }
 
 // The ranking of one candidate row over the owned pages: a query head's

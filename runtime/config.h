@@ -46,6 +46,10 @@ struct Geometry {
   std::size_t page_bytes() const { return page_elems() * DTypeBytes(dtype); }
   // Elements of one page's summaries, layout [Hkv][2 (min,max)][D].
   std::size_t summary_elems() const { return 2 * std::size_t(kv_heads) * head_dim; }
+  bool e4m3_summaries() const { return summary_dtype == SummaryDType::kE4M3; }
+  // Bytes of one summary element as the CUDA backend stores it (the CPU
+  // backend keeps f32 values).
+  std::size_t summary_elem_bytes() const { return e4m3_summaries() ? 1 : DTypeBytes(dtype); }
 
   Status Validate() const;
   std::string ToString() const;  // "L4 Hq8 Hkv2 D64 S16 f32", then " e4m3 summaries" if so

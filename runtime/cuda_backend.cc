@@ -219,9 +219,9 @@ class CudaBackendImpl final : public CudaBackend {
   // that dtype are values of it, so nothing is rounded and scores (computed
   // in f32) are the same bits as from f32 summaries — at half the bytes the
   // select reads, for f16/bf16. Or as E4M3 codes rounded outward, half again.
-  bool e4m3() const { return g_.summary_dtype == SummaryDType::kE4M3; }
+  bool e4m3() const { return g_.e4m3_summaries(); }
   kc::DType sum_dtype() const { return e4m3() ? kc::DType::kE4M3 : kc::DType(g_.dtype); }
-  std::size_t summary_bytes() const { return g_.summary_elems() * (e4m3() ? 1 : DTypeBytes(g_.dtype)); }
+  std::size_t summary_bytes() const { return g_.summary_elems() * g_.summary_elem_bytes(); }
   char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
   int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
   void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }

@@ -101,16 +101,12 @@ struct Runtime::Impl {
   void ReleaseAll(const std::vector<PageId>& pages) {
     for (PageId id : pages) Release(id);
   }
-  // Bytes of one stored summary element: f32 on the CPU backend; on the
-  // CUDA backend the model dtype, or one byte for E4M3 codes.
-  std::size_t SummaryElemBytes() const {
-    if (!cuda) return sizeof(float);
-    return g.summary_dtype == SummaryDType::kE4M3 ? 1 : DTypeBytes(g.dtype);
-  }
+  // Bytes of one stored summary element: f32 on the CPU backend.
+  std::size_t SummaryElemBytes() const { return cuda ? g.summary_elem_bytes() : sizeof(float); }
   // After every fold or rebuild of a CPU-backend summary: with E4M3
   // summaries, its bounds rounded outward onto the grid.
   void SnapSummary(PageId id) {
-    if (g.summary_dtype == SummaryDType::kE4M3) kernels::SnapSummaryE4m3Cpu(summaries->page(id), g.kv_heads, g.head_dim);
+    if (g.e4m3_summaries()) kernels::SnapSummaryE4m3Cpu(summaries->page(id), g.kv_heads, g.head_dim);
   }
   // Head h's K rows of a tail page (V rows follow at +S*D).
   float* TailHead(PageId id, int h) { return hbm->data(hbm->Lookup(id, h)); }
@@ -759,7 +755,7 @@ Result<std::vector<float>> Runtime::Scores(SeqId seq, int layer, const float* q)
   }
   for (int h = 0; h < g.kv_heads; ++h)
     kernels::ScorePagesCpu(q + std::size_t(h) * G * g.head_dim, G, g.head_dim, slab, g.kv_heads, h, ids, P,
-                           scores.data() + std::size_t(h) * G * P, g.summary_dtype == SummaryDType::kE4M3);
+                           scores.data() + std::size_t(h) * G * P, g.e4m3_summaries());
   return scores;
 }
 

@@ -90,7 +90,7 @@ void Selector::ScoreAll(const SelectInput& in) {
   for (int h = 0; h < g_.kv_heads; ++h)
     kernels::ScorePagesCpu(in.q + std::size_t(h) * group * g_.head_dim, group, g_.head_dim,
                            in.summary_slab, g_.kv_heads, h, in.page_ids, n,
-                           scores_.data() + std::size_t(h) * group * n, g_.summary_dtype == SummaryDType::kE4M3);
+                           scores_.data() + std::size_t(h) * group * n, g_.e4m3_summaries());
 }
 
 const float* Selector::HeadScores(int q_head) const {
