@@ -115,6 +115,8 @@ Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int he
   if (!h.host_valid) {
     if (!disk_) return Status::Internal("page " + std::to_string(page) + " has no home");
     ++stats_.cold_misses;
+    // Skipping a page whose disk copy cannot be read would hide the loss for good.
+    if (h.read_failures >= kIoAttempts) return h.error;
     if (policy_ == ColdMissPolicy::kDeadline) {
       // Start the promotion if there is room now, else queue it; never wait for it.
       QKV_RETURN_IF_ERROR(PromoteOrQueue(page));
@@ -191,7 +193,7 @@ Status TierMover::StartPending() {
       pending_.pop_front();
       continue;
     }
-    if (h.host_valid || h.io != Io::kIdle || !disk_->Holds(page, generation)) {
+    if (h.host_valid || h.io != Io::kIdle || !disk_->Holds(page, generation) || h.read_failures >= kIoAttempts) {
       h.pending = false;
       pending_.pop_front();
       continue;
@@ -205,7 +207,8 @@ Status TierMover::StartPending() {
 }
 
 Result<bool> TierMover::PromoteIfRoom(uint32_t page) {
-  if (homes_[page].io != Io::kIdle || host_->used() >= host_->capacity()) return false;
+  const Home& h = homes_[page];
+  if (h.io != Io::kIdle || h.read_failures >= kIoAttempts || host_->used() >= host_->capacity()) return false;
   Status s = StartPromotion(page);
   if (s.code() == Code::kResourceExhausted) return false;  // queue full: a later call tries again
   QKV_RETURN_IF_ERROR(s);
@@ -227,12 +230,13 @@ Status TierMover::Pump(int64_t step) {
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
   QKV_RETURN_IF_ERROR(StartPending());
+  // A quarter of the I/O queue stays free for promotions: a full queue of
+  // background writes refused every deadline promotion, step after step,
+  // on a 1M-token run whose host tier sat above its high-water mark. A
+  // failing disk gets one probe write at a time.
+  const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
   if (host_->used() > high_water_ * host_->capacity())
-    // A quarter of the I/O queue stays free for promotions: a full queue of
-    // background writes refused every deadline promotion, step after step,
-    // on a 1M-token run whose host tier sat above its high-water mark.
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step,
-                               disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4)));
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes));
   return Status::Ok();
 }
 
@@ -243,8 +247,16 @@ Status TierMover::Complete(const DiskCompletion& c) {
   h.io = Io::kIdle;
   if (!c.status.ok()) {
     ++(c.status.code() == Code::kCorruption ? stats_.corruptions : stats_.io_errors);
-    if (!was_write) {
+    if (was_write) {
+      // The page keeps its host home; the failure counts toward a failing disk.
+      ++stats_.write_errors;
+      ++write_failures_;
+      ++write_failures_in_a_row_;
+      last_write_error_ = c.status;
+    } else {
       // The bytes in the host slot are not to be trusted: drop them.
+      ++stats_.read_errors;
+      if (h.read_failures < 255) ++h.read_failures;
       host_->Free(h.host_slot);
       h.host_slot = kNoSlot;
       h.error = c.status;
@@ -253,6 +265,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
     return Status::Ok();  // surfaced to whoever waits on the page
   }
   if (was_write) {
+    write_failures_in_a_row_ = 0;
     ++stats_.demotions;
     stats_.bytes.host_to_disk += int64_t(g_.page_bytes());
     // Read in place since the write was queued: keep the host copy for now
@@ -266,6 +279,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
     ++stats_.promotions;
     stats_.bytes.disk_to_host += int64_t(g_.page_bytes());
     h.error = Status::Ok();
+    h.read_failures = 0;
     SetHostValid(c.page_id, true);
   }
   CountHost();
@@ -359,14 +373,36 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
   return Status::Ok();
 }
 
+Status TierMover::DemotionFailed() const {
+  return Status::IOError("host tier full (" + std::to_string(host_->capacity()) + " pages) and demotions to disk fail (" +
+                         std::to_string(write_failures_in_a_row_) + " in a row; the pages keep their host homes); last: " +
+                         last_write_error_.message());
+}
+
+// Bounded: once kIoAttempts writes of this call have failed it stops
+// submitting; a disk already failing gets one probe write, which ends the
+// failing state if it lands.
 Status TierMover::MakeHostRoom(int64_t step) {
   if (!disk_) return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
                                                " pages) and no disk tier to demote to");
+  const int64_t failures_before = write_failures_;
+  const int attempts = writes_failing() ? 1 : kIoAttempts;
+  const std::size_t target = std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity()));
   while (host_->used() == host_->capacity()) {
-    QKV_RETURN_IF_ERROR(Demote(std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity())), step));
+    const bool gave_up = write_failures_ - failures_before >= attempts;
+    if (gave_up && disk_->in_flight() == 0) return DemotionFailed();
+    if (!gave_up) QKV_RETURN_IF_ERROR(Demote(target, step, writes_failing() ? 1 : INT32_MAX));
     if (host_->used() < host_->capacity()) break;
-    if (disk_->in_flight() == 0)
-      return Status::ResourceExhausted("host tier full and nothing can be demoted (disk full or every page in use)");
+    if (disk_->in_flight() == 0) {
+      if (writes_failing()) return DemotionFailed();
+      const DiskStats& d = disk_->stats();
+      if (d.slots_used == d.slots_capacity)
+        return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
+                                         " pages) and disk tier full (" + std::to_string(d.slots_capacity) +
+                                         " pages): raise the disk budget");
+      return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
+                                       " pages) and every host page is in use");
+    }
     QKV_RETURN_IF_ERROR(ReapAll(1));
   }
   return Status::Ok();

@@ -14,6 +14,15 @@
 //               slot, a full I/O queue) waits in a queue that Pump serves,
 //               oldest first, before background demotions take the queue
 //
+// I/O errors are bounded and surfaced, never retried forever. A page whose
+// demotion write fails keeps its host home (nothing is lost) and may be tried
+// again; after kIoAttempts failed writes in a row the disk counts as failing:
+// background demotion keeps one probe write in flight (a success clears the
+// state), and a seal or promotion that needs host room gets IOError naming
+// the last failed page and its reason instead of waiting. A page whose
+// promotion read failed kIoAttempts times in a row is an IOError for the
+// decode step that selects it, under `deadline` too.
+//
 // Sealed pages are immutable, so every copy is clean and nothing is ever
 // written back from hbm more than once. The CPU backend drives this from the
 // decode thread (Pump once per decode call); nothing here starts a thread.
@@ -47,6 +56,7 @@ struct MoverStats {
   int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0;
   int64_t demotion_orders = 0;  // demotion orders built (each scans every page)
   int64_t io_errors = 0, corruptions = 0;
+  int64_t write_errors = 0, read_errors = 0;  // failed demotion writes / promotion reads (in io_errors too)
   uint32_t host_slots_capacity = 0, host_slots_used = 0, host_slots_peak = 0;
 };
 
@@ -59,6 +69,10 @@ struct HeadSource {
 
 class TierMover {
  public:
+  // Failed I/Os in a row after which the disk (for writes) or a page's disk
+  // copy (for reads) counts as failing.
+  static constexpr int kIoAttempts = 3;
+
   // `disk` may be null (no disk tier). `hbm` is null on the CUDA backend,
   // whose hbm tier lives on the device (runtime/cuda_backend.h): there the
   // device resolves and fetches, and the mover keeps the host and disk homes.
@@ -114,6 +128,8 @@ class TierMover {
 
   const MoverStats& stats() const { return stats_; }
   bool has_disk() const { return disk_ != nullptr; }
+  // OK, or the last failed demotion write while writes are failing.
+  Status write_health() const { return writes_failing() ? last_write_error_ : Status::Ok(); }
 
  private:
   enum class Io : uint8_t { kIdle, kWriting, kReading };
@@ -127,14 +143,17 @@ class TierMover {
     uint32_t uses = 0;
     uint64_t checksum = 0;    // PageChecksum at seal time
     bool pending = false;     // in pending_, waiting for its promotion to start
+    uint8_t read_failures = 0; // failed promotion reads in a row
     Status error;             // last failed read, surfaced to strict waiters
   };
+  bool writes_failing() const { return write_failures_in_a_row_ >= kIoAttempts; }
+  Status DemotionFailed() const;
   Status Complete(const DiskCompletion& c);
   Status ReapAll(int min_complete);
   Status WaitIdle(uint32_t page);
   Status MakeHostRoom(int64_t step);
   // Writes stop at `max_in_flight` I/Os in flight (background demotion
-  // leaves room in the queue for promotions).
+  // leaves room in the queue for promotions; a failing disk gets one).
   Status Demote(std::size_t target_used, int64_t step, int max_in_flight = INT32_MAX);
   Status StartPromotion(uint32_t page);
   // Starts promoting a page whose home is disk if it is idle, a host slot is
@@ -162,6 +181,9 @@ class TierMover {
   int64_t order_step_ = -1;
   MoverStats stats_;
   int64_t read_epoch_ = 0;
+  int64_t write_failures_ = 0;           // failed demotion writes, all told
+  int write_failures_in_a_row_ = 0;      // since the last good one
+  Status last_write_error_;
   HomeListener listener_;
 };
 

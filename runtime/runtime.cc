@@ -39,6 +39,7 @@ struct Runtime::Impl {
   std::unique_ptr<CudaBackend> cuda;  // the data plane on the GPU; null on the CPU backend
   std::vector<uint8_t> homed;       // [max_pages] sealed and given a host home
   std::vector<uint32_t> pending_seals;  // full pages whose seal waits for room
+  Status seal_error;                    // why the last of them could not be sealed
   int64_t deferred_seals = 0;
   int64_t step = 0;                 // advances once per decode call
   struct Sequence {
@@ -85,7 +86,7 @@ struct Runtime::Impl {
       if (!slot.ok()) {
         hbm->Drop(id);
         ids.Unref(id);
-        return slot.status();
+        return WithSealCause(slot.status());
       }
     }
     kernels::ResetSummaryCpu(summaries->page(id), g.kv_heads, g.head_dim);
@@ -140,20 +141,35 @@ struct Runtime::Impl {
     return dst;
   }
 
-  // Gives a full page its host home; when host and disk are full the page
-  // stays pinned in hbm (still correct) and is retried later.
-  void Seal(PageId id) {
-    if (Status s = mover->Seal(id, ids.generation(id), step); s.ok()) {
+  // Gives a full page its host home; when host and disk are full (or the
+  // disk fails) the page stays pinned in hbm (still correct) and is retried
+  // later. False when it had to wait.
+  bool Seal(PageId id) {
+    Status s = mover->Seal(id, ids.generation(id), step);
+    if (s.ok()) {
       homed[id] = 1;
-    } else {
-      ++deferred_seals;
-      pending_seals.push_back(id);
+      return true;
     }
+    ++deferred_seals;
+    pending_seals.push_back(id);
+    seal_error = std::move(s);
+    return false;
   }
+  // Oldest first; the rest wait once one fails (they would fail alike).
   void RetryPendingSeals() {
     std::vector<uint32_t> retry;
     retry.swap(pending_seals);
-    for (uint32_t id : retry) Seal(id);
+    std::size_t i = 0;
+    while (i < retry.size() && Seal(retry[i])) ++i;
+    if (i < retry.size()) pending_seals.insert(pending_seals.end(), retry.begin() + i + 1, retry.end());
+  }
+  // An hbm slot refused while full pages wait in hbm for a host home: the
+  // cause is the host and disk tiers, so the error is theirs.
+  Status WithSealCause(Status s) const {
+    if (s.code() != Code::kResourceExhausted || pending_seals.empty()) return s;
+    return Status(seal_error.code(), std::to_string(pending_seals.size()) +
+                                         " full pages wait in hbm for a host home and fill it: " +
+                                         seal_error.message() + " (" + s.message() + ")");
   }
 
   // Writes n tokens into the list's pages, taking a fresh tail at each page

@@ -9,6 +9,8 @@
 // written and read by two pages at once.
 #include "tiers/disk_tier.h"
 
+#include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -52,6 +54,25 @@ std::string ResultMessage(const char* what, uint32_t page_id, int64_t result, st
   const std::string page = std::string(what) + " of page " + std::to_string(page_id);
   if (result < 0) return ErrnoMessage(page, int(-result));
   return page + ": short transfer, " + std::to_string(result) + " of " + std::to_string(want_bytes) + " bytes";
+}
+
+// The budget must fit the filesystem's free space and the process's file-size
+// limit: past either, writes fail (ENOSPC, EFBIG) only once the tier fills.
+Status CheckRoom(const DiskTierOptions& options, uint64_t slots, std::size_t slot_bytes) {
+  struct statvfs fs {};
+  if (::statvfs(options.dir.c_str(), &fs) != 0) return Status::IOError(ErrnoMessage("disk tier: statvfs " + options.dir, errno));
+  const uint64_t free_bytes = uint64_t(fs.f_bavail) * fs.f_frsize;
+  const uint64_t budget = slots * slot_bytes;
+  if (budget > free_bytes)
+    return Status::ResourceExhausted("disk tier: budget of " + std::to_string(budget) + " bytes exceeds the " +
+                                     std::to_string(free_bytes) + " bytes free on the filesystem of " + options.dir);
+  struct rlimit limit {};
+  const uint64_t file_bytes = (slots + uint64_t(options.files) - 1) / uint64_t(options.files) * slot_bytes;
+  if (::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && file_bytes > limit.rlim_cur)
+    return Status::ResourceExhausted("disk tier: page files of up to " + std::to_string(file_bytes) +
+                                     " bytes each exceed the file-size limit (RLIMIT_FSIZE, ulimit -f) of " +
+                                     std::to_string(uint64_t(limit.rlim_cur)) + " bytes; lower the disk budget");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -206,6 +227,10 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& options,
   std::error_code ec;
   impl->created_dir = std::filesystem::create_directories(options.dir, ec);
   if (ec) return Status::IOError("disk tier: cannot create " + options.dir + ": " + ec.message());
+  if (Status room = CheckRoom(options, slots, impl->slot_bytes); !room.ok()) {
+    if (impl->created_dir) std::filesystem::remove(options.dir, ec);
+    return room;
+  }
   std::vector<std::string> paths;
   const uint64_t instance = g_tier_instance.fetch_add(1);
   for (int i = 0; i < options.files; ++i)

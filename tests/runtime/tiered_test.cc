@@ -3,6 +3,9 @@
 // under `strict` every output must be bit-identical.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -262,6 +265,139 @@ TEST(Tiered, HostFullWithoutDiskIsAClearErrorAndNothingIsLost) {
   SeqId ss[] = {s};
   ASSERT_TRUE((*rt)->DenseAttention(ss, 1, q.data(), o.data()).ok());
   for (float x : o) EXPECT_NEAR(x, 0.5f, 1e-6);
+}
+
+// Appends to both runtimes in chunks until the tiered one refuses one: the
+// refused chunk reaches neither, and the error is `want` naming `reason`.
+// Returns the tokens both hold.
+int64_t AppendUntilRefused(Pair& p, SeqId r, SeqId t, Code want, const std::string& reason) {
+  const std::size_t row = 2 * 16;
+  int64_t held = 0;
+  for (int chunk = 0; chunk < 200; ++chunk) {
+    auto k = test::RandomNormal(12 * row, 50 + chunk), v = test::RandomNormal(12 * row, 90 + chunk);
+    Status s = p.tiered->Append(t, 1, k.data(), v.data(), 12);
+    if (!s.ok()) {
+      EXPECT_EQ(s.code(), want) << s.ToString();
+      EXPECT_NE(s.message().find(reason), std::string::npos) << s.ToString();
+      EXPECT_NE(s.message().find("page"), std::string::npos) << s.ToString();
+      EXPECT_EQ(*p.tiered->Length(t, 1), held) << "a refused append changed the sequence";
+      return held;
+    }
+    EXPECT_TRUE(p.ref->Append(r, 1, k.data(), v.data(), 12).ok());
+    held += 12;
+  }
+  ADD_FAILURE() << "every append succeeded on a disk that fails every write";
+  return held;
+}
+
+// What the refused runtime still holds decodes exactly as the all-in-memory
+// one, and freeing it returns every slot.
+void ExpectServesAndFrees(Pair& p, SeqId r, SeqId t) {
+  std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
+  SeqId rs[] = {r}, ts[] = {t};
+  for (int step = 0; step < 5; ++step) {
+    test::FillNormal(q.data(), q.size(), 600 + step);
+    ASSERT_TRUE(p.ref->DenseAttention(rs, 1, q.data(), o1.data()).ok());
+    Status s = p.tiered->DenseAttention(ts, 1, q.data(), o2.data());
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    ASSERT_EQ(o1, o2);
+  }
+  ASSERT_TRUE(p.tiered->Free(t).ok());
+  const TierStats end = p.tiered->tier_stats();
+  EXPECT_EQ(p.tiered->live_pages(), 0u);
+  EXPECT_EQ(end.hbm_used_bytes, 0u);
+  EXPECT_EQ(end.host_used_bytes, 0u);
+  EXPECT_EQ(end.disk_used_bytes, 0u);
+}
+
+// A disk that refuses every write (full, or failing): demotion gives up after
+// a bounded number of writes, the page keeps its host home, and an append
+// that needs room gets the disk's error instead of spinning.
+TEST(Tiered, ADiskThatRefusesEveryWriteEndsInAnErrorNotAHang) {
+  for (double FaultPlan::*fault : {&FaultPlan::write_enospc, &FaultPlan::write_eio}) {
+    FaultPlan plan;
+    plan.*fault = 1.0;
+    Pair p = MakePair(ColdMissPolicy::kStrict, MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
+    SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
+    const std::string reason = fault == &FaultPlan::write_enospc ? "No space left on device" : "Input/output error";
+    const int64_t held = AppendUntilRefused(p, r, t, Code::kIOError, reason);
+    EXPECT_GT(held, 0);
+    const TierStats st = p.tiered->tier_stats();
+    EXPECT_GT(st.io_errors, 0);
+    // Each seal that needed room tried at most TierMover::kIoAttempts writes.
+    EXPECT_LE(st.io_errors, 3 * (held / 4 + 2) + 8) << "demotion kept retrying";
+    EXPECT_EQ(st.host_to_disk_bytes, 0);
+    ExpectServesAndFrees(p, r, t);
+  }
+}
+
+// The same through the OS: the process's file-size limit drops after the
+// tier opened, so every write past it fails with EFBIG.
+TEST(Tiered, AFileSizeLimitReachedAfterOpeningIsAnIOError) {
+  test::ScratchDir dir;
+  Config c = Tiny(ColdMissPolicy::kStrict);
+  c.disk_dir = dir.path();
+  c.io_backend = IoBackendKind::kPread;
+  auto rt = Runtime::Create(c);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  auto ref = Runtime::Create(Base());
+  Pair p{std::move(*ref), std::move(*rt)};
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit low = old;
+  low.rlim_cur = 0;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &low), 0);
+  SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
+  AppendUntilRefused(p, r, t, Code::kIOError, "File too large");
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  std::signal(SIGXFSZ, old_handler);
+  ExpectServesAndFrees(p, r, t);
+  p.tiered.reset();
+}
+
+TEST(Tiered, ADiskBudgetPastTheFileSizeLimitIsRefusedAtCreation) {
+  test::ScratchDir dir;
+  Config c = Tiny(ColdMissPolicy::kStrict);
+  c.disk_dir = dir.path();
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  struct rlimit low = old;
+  low.rlim_cur = 64 * 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &low), 0);
+  auto rt = Runtime::Create(c);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(rt.status().message().find("file-size limit"), std::string::npos) << rt.status().ToString();
+  c.disk_bytes = 4096ull * 0xfffffff0u;  // 16 TiB: more than any test machine has free
+  rt = Runtime::Create(c);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_NE(rt.status().message().find("free"), std::string::npos) << rt.status().ToString();
+}
+
+// A page whose disk copy cannot be read is an error for the step that
+// selects it, under `deadline` too, after a bounded number of attempts:
+// never skipped forever in silence.
+TEST(Tiered, DeadlineSurfacesAPageThatCannotBeRead) {
+  FaultPlan plan;
+  plan.read_eio = 1.0;
+  Pair p = MakePair(ColdMissPolicy::kDeadline, MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
+  SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
+  AppendBoth(p, r, t, 400, 1);
+  std::vector<float> q(4 * 16), o(q.size());
+  SeqId ts[] = {t};
+  Status failed;
+  for (int step = 0; step < 40 && failed.ok(); ++step) {
+    test::FillNormal(q.data(), q.size(), 77 + step);
+    failed = p.tiered->DecodeAttention(ts, 1, q.data(), o.data());
+  }
+  ASSERT_FALSE(failed.ok()) << "unreadable pages were skipped without an error";
+  EXPECT_EQ(failed.code(), Code::kIOError) << failed.ToString();
+  EXPECT_NE(failed.message().find("read of page"), std::string::npos) << failed.ToString();
+  EXPECT_GT(p.tiered->tier_stats().io_errors, 0);
+  p.tiered->Free(t).ok();
+  EXPECT_EQ(p.tiered->live_pages(), 0u);
 }
 
 }  // namespace
