@@ -23,9 +23,9 @@ constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
 }  // namespace
 
 TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
-                     uint32_t max_pages, HbmCache* hbm, SlotArena* host, DiskTier* disk)
+                     uint32_t pages, HbmCache* hbm, SlotArena* host, DiskTier* disk)
     : g_(g), policy_(policy), high_water_(high_water), low_water_(low_water), hbm_(hbm), host_(host), disk_(disk),
-      homes_(max_pages) {
+      homes_(pages) {
   stats_.host_slots_capacity = host_->capacity();
 }
 

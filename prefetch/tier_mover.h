@@ -30,6 +30,7 @@
 // Thread-compatible.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -77,8 +78,12 @@ class TierMover {
   // whose hbm tier lives on the device (runtime/cuda_backend.h): there the
   // device resolves and fetches, and the mover keeps the host and disk homes.
   // The mover does not own the tiers.
-  TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t max_pages,
+  // `pages`: the page ids the mover's table holds at first (GrowPages adds).
+  TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t pages,
             HbmCache* hbm, SlotArena* host, DiskTier* disk);
+  // Holds page ids [0, pages) from now on (PageAllocator's grow hook).
+  // Throws std::bad_alloc, leaving the table as it was, when memory is short.
+  void GrowPages(uint32_t pages) { homes_.resize(std::max<std::size_t>(homes_.size(), pages)); }
 
   // Called whenever a page's host home becomes readable (its address) or
   // stops being so (null): the CUDA backend mirrors this into the device's
@@ -173,7 +178,7 @@ class TierMover {
   HbmCache* hbm_;
   SlotArena* host_;
   DiskTier* disk_;
-  std::vector<Home> homes_;  // [max_pages]
+  std::vector<Home> homes_;  // [page ids handed out so far, rounded up]
   std::vector<DiskCompletion> done_;
   std::vector<uint32_t> order_;  // demotion candidates, coldest first (Demote)
   std::deque<std::pair<uint32_t, uint32_t>> pending_;  // (page, generation), oldest first

@@ -1,7 +1,9 @@
 // The C API (questkv.h) over questkv::Runtime: conversion and error capture only.
 #include "runtime/questkv.h"
 
+#include <exception>
 #include <memory>
+#include <new>
 #include <span>
 #include <string>
 
@@ -19,15 +21,41 @@ thread_local std::string create_error;
 constexpr qkv_status kNullHandle = QKV_INVALID_ARGUMENT;
 
 qkv_status Report(qkv_runtime* h, const questkv::Status& s) {
-  h->last_error = s.ok() ? std::string() : s.ToString();
+  try {
+    h->last_error = s.ok() ? std::string() : s.ToString();
+  } catch (const std::bad_alloc&) {
+    h->last_error.clear();  // the code still says what happened
+  }
   return static_cast<qkv_status>(s.code());
 }
 
-template <typename T, typename F>
-qkv_status ReportValue(qkv_runtime* h, questkv::Result<T> r, T* out, F&& assign) {
-  if (!out) return Report(h, questkv::Status::InvalidArgument("null output pointer"));
-  if (r.ok()) assign(*out, *r);
-  return Report(h, r.status());
+// Runs one call on a live handle: no C++ exception reaches the C caller. An
+// allocation that fails inside the runtime is ResourceExhausted.
+template <typename F>
+qkv_status Guarded(qkv_runtime* h, F&& call) {
+  if (!h) return kNullHandle;
+  try {
+    return Report(h, call());
+  } catch (const std::bad_alloc&) {
+    return Report(h, questkv::Status::ResourceExhausted("out of memory"));
+  } catch (const std::exception& e) {
+    return Report(h, questkv::Status::Internal(std::string("unexpected exception: ") + e.what()));
+  }
+}
+
+// A new sequence from `make`, stored in *out; with a null out nothing is made.
+template <typename F>
+qkv_status NewSequence(qkv_runtime* h, uint64_t* out, F&& make) {
+  return Guarded(h, [&]() -> questkv::Status {
+    if (!out) return questkv::Status::InvalidArgument("null output pointer");
+    QKV_ASSIGN_OR_RETURN(*out, make());
+    return questkv::Status::Ok();
+  });
+}
+
+questkv::Status CheckBatch(const uint64_t* seqs, int batch) {
+  if (!seqs || batch < 1) return questkv::Status::InvalidArgument("empty or null batch");
+  return questkv::Status::Ok();
 }
 
 questkv::Config ToConfig(const qkv_config& c) {
@@ -72,6 +100,7 @@ questkv::Status CheckEnums(const qkv_config& c) {
 extern "C" {
 
 void qkv_config_default(qkv_config* c) {
+  if (!c) return;
   static const int kDense[] = {0, 1};
   const questkv::Config d;
   *c = qkv_config{};
@@ -95,17 +124,23 @@ qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {
     return QKV_INVALID_ARGUMENT;
   }
   *out = nullptr;
-  questkv::Status s = CheckEnums(*config);
-  if (s.ok()) {
-    auto rt = questkv::Runtime::Create(ToConfig(*config));
-    if (rt.ok()) {
-      *out = new qkv_runtime{std::move(*rt), {}};
-      create_error.clear();
-      return QKV_OK;
+  questkv::Status s;
+  try {
+    s = CheckEnums(*config);
+    if (s.ok()) {
+      auto rt = questkv::Runtime::Create(ToConfig(*config));
+      if (rt.ok()) {
+        *out = new qkv_runtime{std::move(*rt), {}};
+        create_error.clear();
+        return QKV_OK;
+      }
+      s = rt.status();
     }
-    s = rt.status();
+    create_error = s.ToString();
+  } catch (const std::bad_alloc&) {
+    s = questkv::Status::ResourceExhausted("out of memory creating the runtime");
+    create_error.clear();
   }
-  create_error = s.ToString();
   return static_cast<qkv_status>(s.code());
 }
 
@@ -114,59 +149,57 @@ void qkv_destroy(qkv_runtime* rt) { delete rt; }
 const char* qkv_last_error(const qkv_runtime* rt) { return rt ? rt->last_error.c_str() : ""; }
 
 qkv_status qkv_sequence_create(qkv_runtime* h, uint64_t* seq) {
-  if (!h) return kNullHandle;
-  return ReportValue<uint64_t>(h, h->rt->CreateSequence(), seq, [](uint64_t& o, uint64_t v) { o = v; });
+  return NewSequence(h, seq, [&] { return h->rt->CreateSequence(); });
 }
 qkv_status qkv_sequence_fork(qkv_runtime* h, uint64_t parent, uint64_t* child) {
-  if (!h) return kNullHandle;
-  return ReportValue<uint64_t>(h, h->rt->Fork(parent), child, [](uint64_t& o, uint64_t v) { o = v; });
+  return NewSequence(h, child, [&] { return h->rt->Fork(parent); });
 }
 qkv_status qkv_sequence_from_prefix(qkv_runtime* h, uint64_t parent, int64_t pages, uint64_t* child) {
-  if (!h) return kNullHandle;
-  return ReportValue<uint64_t>(h, h->rt->CreateFromPrefix(parent, pages), child, [](uint64_t& o, uint64_t v) { o = v; });
+  return NewSequence(h, child, [&] { return h->rt->CreateFromPrefix(parent, pages); });
 }
 qkv_status qkv_sequence_rollback(qkv_runtime* h, uint64_t seq, int64_t tokens) {
-  if (!h) return kNullHandle;
-  return Report(h, h->rt->Rollback(seq, tokens));
+  return Guarded(h, [&] { return h->rt->Rollback(seq, tokens); });
 }
 qkv_status qkv_sequence_free(qkv_runtime* h, uint64_t seq) {
-  if (!h) return kNullHandle;
-  return Report(h, h->rt->Free(seq));
+  return Guarded(h, [&] { return h->rt->Free(seq); });
 }
 qkv_status qkv_sequence_length(qkv_runtime* h, uint64_t seq, int layer, int64_t* tokens) {
-  if (!h) return kNullHandle;
-  return ReportValue<int64_t>(h, h->rt->Length(seq, layer), tokens, [](int64_t& o, int64_t v) { o = v; });
+  return Guarded(h, [&]() -> questkv::Status {
+    if (!tokens) return questkv::Status::InvalidArgument("null output pointer");
+    QKV_ASSIGN_OR_RETURN(*tokens, h->rt->Length(seq, layer));
+    return questkv::Status::Ok();
+  });
 }
 qkv_status qkv_append(qkv_runtime* h, uint64_t seq, int layer, const float* k, const float* v, int64_t n) {
-  if (!h) return kNullHandle;
-  return Report(h, h->rt->Append(seq, layer, k, v, n));
+  return Guarded(h, [&] { return h->rt->Append(seq, layer, k, v, n); });
 }
 qkv_status qkv_decode_attention(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out) {
-  if (!h) return kNullHandle;
-  if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
-  return Report(h, h->rt->DecodeAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
+  return Guarded(h, [&]() -> questkv::Status {
+    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+    return h->rt->DecodeAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out);
+  });
 }
 qkv_status qkv_append_device(qkv_runtime* h, uint64_t seq, int layer, const void* k, const void* v, int64_t n) {
-  if (!h) return kNullHandle;
-  return Report(h, h->rt->AppendDevice(seq, layer, k, v, n));
+  return Guarded(h, [&] { return h->rt->AppendDevice(seq, layer, k, v, n); });
 }
 qkv_status qkv_decode_attention_device(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const void* q,
                                        void* out) {
-  if (!h) return kNullHandle;
-  if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
-  return Report(h, h->rt->DecodeAttentionDevice(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
+  return Guarded(h, [&]() -> questkv::Status {
+    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+    return h->rt->DecodeAttentionDevice(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out);
+  });
 }
 qkv_status qkv_synchronize(qkv_runtime* h) {
-  if (!h) return kNullHandle;
-  return Report(h, h->rt->Synchronize());
+  return Guarded(h, [&] { return h->rt->Synchronize(); });
 }
 void* qkv_cuda_stream(qkv_runtime* h) { return h ? h->rt->cuda_stream() : nullptr; }
 qkv_status qkv_dense_attention(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const float* q,
                                float* out) {
-  if (!h) return kNullHandle;
-  if (!seqs || batch < 1) return Report(h, questkv::Status::InvalidArgument("empty or null batch"));
-  return Report(h, h->rt->DenseAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out));
+  return Guarded(h, [&]() -> questkv::Status {
+    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+    return h->rt->DenseAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out);
+  });
 }
 
 }  // extern "C"

@@ -106,7 +106,7 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
     if (is_dense(layer)) continue;
     const int64_t tokens = token_budget_for(layer);
     const int64_t pages = tokens / g.page_size;
-    if (pages < sink_pages + local_pages)
+    if (pages < int64_t(sink_pages) + int64_t(local_pages))
       return Status::InvalidArgument(
           "token budget " + std::to_string(tokens) + " of layer " + std::to_string(layer) + " gives " +
           std::to_string(pages) + " pages of " + std::to_string(g.page_size) + " tokens, fewer than sink (" +

@@ -2,12 +2,25 @@
  *
  * Opaque handles and integer status codes (the same numbering as
  * questkv::Code). Every call returns QKV_OK or an error code; after an error,
- * qkv_last_error() gives the message for that runtime. On error the runtime
- * is unchanged. A runtime is thread-compatible: serialise calls on one handle.
+ * qkv_last_error() gives the message for that runtime. A runtime is
+ * thread-compatible: serialise calls on one handle.
+ *
+ * Errors: a call that fails changes nothing — no sequence is created, no id
+ * is used up, no token is appended or dropped, no page or slot leaks.
+ * Arguments, output pointers included, are checked before anything is done.
+ * No C++ exception reaches the caller: running out of memory is
+ * QKV_RESOURCE_EXHAUSTED. A disk tier whose writes or reads keep failing
+ * (full, EIO) gives QKV_IO_ERROR naming the page and the OS's reason after a
+ * bounded number of attempts; a page is never lost for it (it keeps its host
+ * home). Outputs of a failed decode call are unspecified.
  *
  * Shapes (floats, row-major):
  *   K, V of n tokens   [n][kv_heads][head_dim]   (post-RoPE keys)
  *   queries, outputs   [batch][q_heads][head_dim]
+ * Aliasing: q and out may be the same buffer (or overlap) on the host calls;
+ * on the *_device calls they must not overlap (QKV_INVALID_ARGUMENT).
+ * Finite inputs whose logits q·k/sqrt(head_dim) pass float32's range make a
+ * host decode call fail with QKV_INVALID_ARGUMENT instead of returning NaN.
  */
 #ifndef QUESTKV_H_
 #define QUESTKV_H_
@@ -64,7 +77,7 @@ typedef struct {
 
 typedef struct qkv_runtime qkv_runtime;
 
-/* Fills *config with the defaults of questkv::Config. */
+/* Fills *config with the defaults of questkv::Config (nothing for NULL). */
 void qkv_config_default(qkv_config* config);
 
 /* Creates a runtime; on error *out is NULL and qkv_create_error() says why.

@@ -25,6 +25,11 @@ std::string SeqName(SeqId id) { return "sequence " + std::to_string(id); }
 using Clock = std::chrono::steady_clock;
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 constexpr std::size_t kIoAlignFloats = 1024;  // 4096 bytes
+// Whether two buffers of `bytes` each share a byte.
+bool Overlap(const void* a, const void* b, std::size_t bytes) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
 }  // namespace
 
 struct Runtime::Impl {
@@ -37,7 +42,7 @@ struct Runtime::Impl {
   std::unique_ptr<DiskTier> disk;   // null without a disk tier
   std::unique_ptr<TierMover> mover;
   std::unique_ptr<CudaBackend> cuda;  // the data plane on the GPU; null on the CPU backend
-  std::vector<uint8_t> homed;       // [max_pages] sealed and given a host home
+  std::vector<uint8_t> homed;       // [ids.table_size()] sealed and given a host home
   std::vector<uint32_t> pending_seals;  // full pages whose seal waits for room
   Status seal_error;                    // why the last of them could not be sealed
   int64_t deferred_seals = 0;
@@ -56,13 +61,26 @@ struct Runtime::Impl {
   std::vector<uint32_t> list_partitions;
   std::vector<kernels::HeadPageRef> refs;
   std::vector<float> m, d, page_scratch;
+  std::vector<float> q_copy;   // the queries, when the caller's q overlaps out
   int64_t attended = 0;        // tokens the last AttendRow read
   double attend_seconds = 0;   // of the last AttendRow: attention proper
   double row_seconds = 0;      // of the last AttendRow: all of it
 
   explicit Impl(const Config& c)
-      : config(c), g(c.geometry), ids(c.max_pages), homed(c.max_pages, 0), selector(c.geometry, c.policy),
+      : config(c), g(c.geometry), ids(c.max_pages), selector(c.geometry, c.policy),
         page_scratch(c.geometry.page_elems()) {}
+
+  // Per-page tables grow with the ids handed out (PageAllocator's hook).
+  Status GrowPageTables(uint32_t pages) {
+    try {
+      homed.resize(std::max<std::size_t>(homed.size(), pages), 0);
+      mover->GrowPages(pages);
+      if (hbm) hbm->GrowPages(pages);
+    } catch (const std::bad_alloc&) {
+      return Status::ResourceExhausted("page tables: out of memory growing to " + std::to_string(pages) + " page ids");
+    }
+    return Status::Ok();
+  }
 
   Result<Sequence*> Find(SeqId id) {
     auto it = seqs.find(id);
@@ -285,6 +303,15 @@ struct Runtime::Impl {
 
   // ---- attention ---------------------------------------------------------------
 
+  // Queries the call may read while it writes out: q itself, or a copy of
+  // it when the two overlap (q == out is allowed on the host API).
+  const float* Unaliased(const float* q, const float* out, std::size_t batch) {
+    const std::size_t n = batch * g.q_heads * g.head_dim;
+    if (!Overlap(q, out, n * sizeof(float))) return q;
+    q_copy.assign(q, q + n);
+    return q_copy.data();
+  }
+
   Status CheckBatch(std::span<const SeqId> seqs_in, int layer, const float* q, const float* out) {
     QKV_RETURN_IF_ERROR(CheckLayer(layer));
     if (seqs_in.empty()) return Status::InvalidArgument("empty batch");
@@ -352,6 +379,59 @@ struct Runtime::Impl {
     return Status::Ok();
   }
 
+  // The CPU backend's decode step over the checked batch (csr, lists).
+  Status DecodeCpu(int layer, const float* q, float* out, std::vector<PageSelection>* selections,
+                   AttendStats* stats) {
+    if (selections) selections->resize(std::size_t(csr.batch()));
+    PageSelection local;
+    for (int b = 0; b < csr.batch(); ++b) {
+      PageSelection& sel = selections ? (*selections)[b] : local;
+      SelectInput in;
+      in.q = q + std::size_t(b) * g.q_heads * g.head_dim;
+      in.summary_slab = summaries->base();
+      in.page_ids = csr.pages(b);
+      in.num_pages = csr.num_pages(b);
+      in.layer = layer;
+      const int prefetch = disk ? config.prefetch_pages : 0;
+      const auto t0 = Clock::now();
+      QKV_RETURN_IF_ERROR(selector.Select(in, &sel, &next, prefetch));
+      if (stats) stats->select_us += 1e6 * Seconds(Clock::now() - t0);
+      for (int h = 0; h < g.kv_heads; ++h) {
+        QKV_RETURN_IF_ERROR(AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
+        const auto t1 = Clock::now();
+        for (int i = 0; i < next.count(h); ++i) QKV_RETURN_IF_ERROR(mover->Prefetch(in.page_ids[next.row(h)[i]]));
+        if (stats) {
+          stats->attend_us += 1e6 * attend_seconds;
+          stats->resolve_us += 1e6 * (row_seconds - attend_seconds + Seconds(Clock::now() - t1));
+          stats->head_pages_selected += sel.count(h);
+          stats->head_pages_total += in.num_pages;
+          stats->kv_bytes_read += attended * g.head_dim * 2 * int64_t(sizeof(float));
+        }
+      }
+      // The selector scores only when the budget is smaller than the page count.
+      if (stats && !selector.scores().empty()) stats->summary_bytes_read += int64_t(in.num_pages) * int64_t(summaries->page_bytes());
+    }
+    return Status::Ok();
+  }
+
+  // Finite queries must give finite outputs: logits past float32's range
+  // (huge keys or queries) would otherwise come back as NaN with an OK.
+  Status CheckFinite(std::span<const SeqId> seqs, const float* q, const float* out) const {
+    const std::size_t per_seq = std::size_t(g.q_heads) * g.head_dim;
+    for (std::size_t i = 0; i < seqs.size() * per_seq; ++i) {
+      if (std::isfinite(out[i])) continue;
+      const std::size_t b = i / per_seq, head = i % per_seq / g.head_dim;
+      const float* qh = q + i / g.head_dim * g.head_dim;
+      const bool q_finite = std::all_of(qh, qh + g.head_dim, [](float x) { return std::isfinite(x); });
+      return Status::InvalidArgument("attention output of " + SeqName(seqs[b]) + ", query head " + std::to_string(head) +
+                                     " is not finite: " +
+                                     (q_finite ? "its logits q·k/sqrt(D) overflow float32 (keys or queries too large) "
+                                                 "or the keys hold NaN/inf"
+                                               : "the query holds NaN/inf"));
+    }
+    return Status::Ok();
+  }
+
   // A decode call runs in a step of its own: what it selects is protected
   // from eviction until it returns, and nothing else runs in that step.
   Status BeginStep() {
@@ -381,6 +461,15 @@ Result<std::unique_ptr<IoBackend>> MakeBackend(const Config& c) {
 
 Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::unique_ptr<IoBackend> io) {
   QKV_RETURN_IF_ERROR(config.Validate());
+  try {
+    return CreateValid(config, std::move(io));
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("out of memory creating a runtime for " + config.geometry.ToString() +
+                                     ", max_pages " + std::to_string(config.max_pages));
+  }
+}
+
+Result<std::unique_ptr<Runtime>> Runtime::CreateValid(const Config& config, std::unique_ptr<IoBackend> io) {
   const bool on_gpu = config.backend == Backend::kCuda;
   if (!on_gpu && config.geometry.dtype != DType::kF32)
     return Status::Unimplemented("the CPU backend stores K/V as f32; " +
@@ -393,8 +482,7 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::uniq
     const uint64_t all_heads = uint64_t(config.max_pages) * g.kv_heads;
     const uint64_t hbm_slots =
         config.hbm_bytes ? std::min<uint64_t>(config.hbm_bytes / head_page_bytes, all_heads) : all_heads;
-    QKV_ASSIGN_OR_RETURN(impl->hbm,
-                         HbmCache::Create(uint32_t(hbm_slots), 2 * g.head_page_elems(), config.max_pages, g.kv_heads));
+    QKV_ASSIGN_OR_RETURN(impl->hbm, HbmCache::Create(uint32_t(hbm_slots), 2 * g.head_page_elems(), /*pages=*/0, g.kv_heads));
   }
 
   const std::size_t page_floats = (g.page_bytes() + sizeof(float) - 1) / sizeof(float);
@@ -417,7 +505,9 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::uniq
     QKV_RETURN_IF_ERROR(impl->disk->RegisterRegion(impl->host->base(), impl->host->bytes()));
   }
   impl->mover = std::make_unique<TierMover>(g, config.cold_miss, config.host_high_water, config.host_low_water,
-                                            config.max_pages, impl->hbm.get(), impl->host.get(), impl->disk.get());
+                                            /*pages=*/0, impl->hbm.get(), impl->host.get(), impl->disk.get());
+  Impl* I = impl.get();
+  impl->ids.SetGrowHook([I](uint32_t pages) { return I->GrowPageTables(pages); });
   if (on_gpu) {
     QKV_ASSIGN_OR_RETURN(impl->cuda, CudaBackend::Create(config, &impl->ids, impl->mover.get(), impl->host.get()));
     CudaBackend* cuda = impl->cuda.get();
@@ -595,44 +685,16 @@ Status Runtime::AppendDevice(SeqId seq, int layer, const void* k, const void* v,
   return I.AppendCuda(s->layers[layer], s->partitions[layer], k, v, n, /*host_f32=*/false);
 }
 
-Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
+Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q_in, float* out,
                                 std::vector<PageSelection>* selections, AttendStats* stats) {
   Impl& I = *impl_;
-  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q_in, out));
+  const float* q = I.Unaliased(q_in, out, seqs.size());
   QKV_RETURN_IF_ERROR(I.BeginStep());
   const Impl::StepEnd end{I};
-  if (I.cuda) return I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/false, selections, stats);
-  const Geometry& g = I.g;
-  if (selections) selections->resize(seqs.size());
-  PageSelection local;
-  for (int b = 0; b < I.csr.batch(); ++b) {
-    PageSelection& sel = selections ? (*selections)[b] : local;
-    SelectInput in;
-    in.q = q + std::size_t(b) * g.q_heads * g.head_dim;
-    in.summary_slab = I.summaries->base();
-    in.page_ids = I.csr.pages(b);
-    in.num_pages = I.csr.num_pages(b);
-    in.layer = layer;
-    const int prefetch = I.disk ? I.config.prefetch_pages : 0;
-    const auto t0 = Clock::now();
-    QKV_RETURN_IF_ERROR(I.selector.Select(in, &sel, &I.next, prefetch));
-    if (stats) stats->select_us += 1e6 * Seconds(Clock::now() - t0);
-    for (int h = 0; h < g.kv_heads; ++h) {
-      QKV_RETURN_IF_ERROR(I.AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
-      const auto t1 = Clock::now();
-      for (int i = 0; i < I.next.count(h); ++i) QKV_RETURN_IF_ERROR(I.mover->Prefetch(in.page_ids[I.next.row(h)[i]]));
-      if (stats) {
-        stats->attend_us += 1e6 * I.attend_seconds;
-        stats->resolve_us += 1e6 * (I.row_seconds - I.attend_seconds + Seconds(Clock::now() - t1));
-        stats->head_pages_selected += sel.count(h);
-        stats->head_pages_total += in.num_pages;
-        stats->kv_bytes_read += I.attended * g.head_dim * 2 * int64_t(sizeof(float));
-      }
-    }
-    // The selector scores only when the budget is smaller than the page count.
-    if (stats && !I.selector.scores().empty()) stats->summary_bytes_read += int64_t(in.num_pages) * int64_t(I.summaries->page_bytes());
-  }
-  return Status::Ok();
+  QKV_RETURN_IF_ERROR(I.cuda ? I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/false, selections, stats)
+                             : I.DecodeCpu(layer, q, out, selections, stats));
+  return I.CheckFinite(seqs, q, out);
 }
 
 Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
@@ -640,6 +702,9 @@ Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, co
   Impl& I = *impl_;
   if (!I.cuda) return Status::FailedPrecondition("DecodeAttentionDevice needs the CUDA backend");
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, static_cast<const float*>(q), static_cast<const float*>(out)));
+  const std::size_t bytes = seqs.size() * I.g.q_heads * I.g.head_dim * DTypeBytes(I.g.dtype);
+  if (Overlap(q, out, bytes))
+    return Status::InvalidArgument("q and out overlap: the device path reads q while it writes out");
   QKV_RETURN_IF_ERROR(I.BeginStep());
   const Impl::StepEnd end{I};
   return I.DecodeCuda(layer, q, out, /*host_f32=*/false, /*dense=*/false, selections, stats);
@@ -666,15 +731,17 @@ Result<double> Runtime::TimeDenseOffload(std::span<const SeqId> seqs, int layer,
   return I.cuda->TimeDenseOffload(lists, max_bytes, reps, bytes);
 }
 
-Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out) {
+Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const float* q_in, float* out) {
   Impl& I = *impl_;
-  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q_in, out));
+  const float* q = I.Unaliased(q_in, out, seqs.size());
   QKV_RETURN_IF_ERROR(I.BeginStep());
   const Impl::StepEnd end{I};
   if (I.cuda) {
     if (I.config.cold_miss != ColdMissPolicy::kStrict && I.disk)
       return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
-    return I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/true, nullptr, nullptr);
+    QKV_RETURN_IF_ERROR(I.DecodeCuda(layer, q, out, /*host_f32=*/true, /*dense=*/true, nullptr, nullptr));
+    return I.CheckFinite(seqs, q, out);
   }
   const ColdMissPolicy policy = I.config.cold_miss;
   std::vector<int32_t> all;
@@ -684,7 +751,7 @@ Status Runtime::DenseAttention(std::span<const SeqId> seqs, int layer, const flo
     for (int h = 0; h < I.g.kv_heads; ++h)
       QKV_RETURN_IF_ERROR(I.AttendRow(b, h, all.data(), int(all.size()), q, out, policy == ColdMissPolicy::kStrict));
   }
-  return Status::Ok();
+  return I.CheckFinite(seqs, q, out);
 }
 
 Result<int64_t> Runtime::Length(SeqId seq, int layer) const {

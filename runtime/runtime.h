@@ -12,7 +12,13 @@
 //
 // Thread safety: a Runtime is thread-compatible — callers serialise calls.
 // Errors: every method returns a Status / Result; on error the runtime is
-// unchanged (no page, slot or reference leaks).
+// unchanged (no page, slot or reference leaks). Per-page tables grow with
+// the pages in use, and a table or arena that cannot grow is
+// ResourceExhausted. A disk tier that keeps failing is IOError naming the
+// page and the OS's reason after a bounded number of attempts (the page
+// keeps its host home). The C API and the CLI also catch std::bad_alloc.
+// Aliasing: the host-pointer calls allow q == out; the device calls refuse
+// overlapping q and out.
 #pragma once
 
 #include <cstdint>
@@ -97,7 +103,8 @@ class Runtime {
 
   // Sparse decode attention for a batch at one layer: q [B][Hq][D] -> out
   // [B][Hq][D], softmax scale 1/sqrt(D). Every sequence must hold >= 1 token
-  // in the layer. `selections`, when non-null, is resized to the batch and
+  // in the layer. InvalidArgument when an output is not finite (logits past
+  // float32's range, or NaN/inf in the inputs). `selections`, when non-null, is resized to the batch and
   // entry b receives seqs[b]'s selection. `stats`, when non-null, is
   // incremented.
   Status DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q, float* out,
@@ -158,6 +165,7 @@ class Runtime {
  private:
   struct Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<Runtime>> CreateValid(const Config& config, std::unique_ptr<IoBackend> io);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -21,19 +21,29 @@ Result<std::unique_ptr<SlotArena>> SlotArena::Create(std::size_t slot_elems, uin
 }
 
 SlotArena::SlotArena(HostRegion region, std::size_t slot_elems, uint32_t capacity, const char* name)
-    : region_(std::move(region)), slot_elems_(slot_elems), capacity_(capacity), in_use_(capacity, 0), name_(name) {
-  free_.reserve(capacity);
-  for (uint32_t i = capacity; i > 0; --i) free_.push_back(i - 1);
-}
+    : region_(std::move(region)), slot_elems_(slot_elems), capacity_(capacity), name_(name) {}
 
 Result<uint32_t> SlotArena::Allocate() {
   if (AllocFaults::ShouldFail())
     return Status::ResourceExhausted(std::string(name_) + ": slot allocation failed (injected)");
-  if (free_.empty())
+  uint32_t slot;
+  if (!free_.empty()) {
+    slot = free_.back();
+    free_.pop_back();
+  } else if (fresh_ < capacity_) {
+    try {
+      in_use_.push_back(0);
+      // Free never allocates: every slot handed out fits the free list.
+      if (free_.capacity() < in_use_.size()) free_.reserve(in_use_.capacity());
+    } catch (const std::bad_alloc&) {
+      return Status::ResourceExhausted(std::string(name_) + ": out of memory for the bookkeeping of slot " +
+                                       std::to_string(fresh_));
+    }
+    slot = fresh_++;
+  } else {
     return Status::ResourceExhausted(std::string(name_) + ": all " + std::to_string(capacity_) + " slots of " +
                                      std::to_string(slot_bytes()) + " bytes are in use");
-  const uint32_t slot = free_.back();
-  free_.pop_back();
+  }
   in_use_[slot] = 1;
   if (used() > used_peak_) used_peak_ = used();
   return slot;

@@ -1,6 +1,7 @@
 // Fixed-size slot arenas: the CPU backend's bounded "hbm" page arena and the
 // summary slab. Memory is reserved once at construction (the OS commits it on
-// first touch); running out of slots is ResourceExhausted, never growth.
+// first touch); running out of slots is ResourceExhausted, never growth. The
+// slot bookkeeping grows with the slots handed out, not with the capacity.
 // Thread-compatible.
 #pragma once
 
@@ -32,7 +33,7 @@ class SlotArena {
   const HostRegion& region() const { return region_; }
   std::size_t bytes() const { return slot_bytes() * capacity_; }
   uint32_t capacity() const { return capacity_; }
-  uint32_t used() const { return capacity_ - uint32_t(free_.size()); }
+  uint32_t used() const { return fresh_ - uint32_t(free_.size()); }
   uint32_t used_peak() const { return used_peak_; }
   std::size_t slot_bytes() const { return slot_elems_ * sizeof(float); }
 
@@ -42,8 +43,9 @@ class SlotArena {
   std::size_t slot_elems_;
   uint32_t capacity_;
   uint32_t used_peak_ = 0;
-  std::vector<uint32_t> free_;
-  std::vector<uint8_t> in_use_;
+  uint32_t fresh_ = 0;            // slots >= this were never handed out
+  std::vector<uint32_t> free_;    // handed out before, free again (LIFO)
+  std::vector<uint8_t> in_use_;   // [fresh_]
   const char* name_;
 };
 

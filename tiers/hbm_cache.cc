@@ -5,14 +5,14 @@
 
 namespace questkv {
 
-Result<std::unique_ptr<HbmCache>> HbmCache::Create(uint32_t slots, std::size_t head_page_elems, uint32_t max_pages,
+Result<std::unique_ptr<HbmCache>> HbmCache::Create(uint32_t slots, std::size_t head_page_elems, uint32_t pages,
                                                    int kv_heads) {
   QKV_ASSIGN_OR_RETURN(auto arena, SlotArena::Create(head_page_elems, slots, "hbm"));
-  return std::unique_ptr<HbmCache>(new HbmCache(std::move(arena), max_pages, kv_heads));
+  return std::unique_ptr<HbmCache>(new HbmCache(std::move(arena), pages, kv_heads));
 }
 
-HbmCache::HbmCache(std::unique_ptr<SlotArena> arena, uint32_t max_pages, int kv_heads)
-    : arena_(std::move(arena)), kv_heads_(kv_heads), resident_(std::size_t(max_pages) * kv_heads, kNone),
+HbmCache::HbmCache(std::unique_ptr<SlotArena> arena, uint32_t pages, int kv_heads)
+    : arena_(std::move(arena)), kv_heads_(kv_heads), resident_(std::size_t(pages) * kv_heads, kNone),
       slots_(arena_->capacity()) {
   stats_.slots_capacity = arena_->capacity();
   parts_.emplace_back();

@@ -25,6 +25,7 @@
 // Thread-compatible.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -46,9 +47,15 @@ class HbmCache {
   static constexpr uint32_t kProtectedShareNum = 3, kProtectedShareDen = 4;
   static constexpr uint32_t kOrphan = 0;  // holds slots whose partition went away
 
-  // `slots` head-page slots of 2*S*D floats; residency for max_pages x kv_heads.
+  // `slots` head-page slots of 2*S*D floats; residency for `pages` x
+  // kv_heads at first (GrowPages adds).
   static Result<std::unique_ptr<HbmCache>> Create(uint32_t slots, std::size_t head_page_elems,
-                                                  uint32_t max_pages, int kv_heads);
+                                                  uint32_t pages, int kv_heads);
+  // Holds residency for page ids [0, pages) from now on. Throws
+  // std::bad_alloc, leaving the table as it was, when memory is short.
+  void GrowPages(uint32_t pages) {
+    resident_.resize(std::max(resident_.size(), std::size_t(pages) * kv_heads_), kNone);
+  }
 
   // Partitions are named by small integers handed out here.
   uint32_t AddPartition();
@@ -113,7 +120,7 @@ class HbmCache {
 
   std::unique_ptr<SlotArena> arena_;
   int kv_heads_;
-  std::vector<int32_t> resident_;  // [max_pages * Hkv]
+  std::vector<int32_t> resident_;  // [page ids held * Hkv]
   std::vector<Slot> slots_;
   std::vector<Partition> parts_;
   std::vector<uint32_t> free_parts_;

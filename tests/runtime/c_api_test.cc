@@ -2,7 +2,9 @@
 #include "runtime/questkv.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <climits>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -79,6 +81,103 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(qkv_sequence_rollback(rt, seq, 1), QKV_OUT_OF_RANGE);
   EXPECT_NE(std::string(qkv_last_error(rt)), "");
   qkv_destroy(rt);
+}
+
+// A call refused for a null output pointer creates nothing: the id space and
+// the page capacity are as if it was never made.
+TEST(CApi, NullOutputPointersCreateNothing) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  cfg.layers = 1, cfg.q_heads = 2, cfg.kv_heads = 1, cfg.head_dim = 8, cfg.page_size = 4;
+  cfg.token_budget = 8, cfg.sink_pages = 1, cfg.local_pages = 1, cfg.num_dense_layers = 0;
+  cfg.max_pages = 8;  // 32 tokens
+  qkv_runtime* rt = nullptr;
+  ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();
+  uint64_t seq = 0;
+  ASSERT_EQ(qkv_sequence_create(rt, &seq), QKV_OK);
+  std::vector<float> kv(32 * 8, 0.25f);
+  ASSERT_EQ(qkv_append(rt, seq, 0, kv.data(), kv.data(), 6), QKV_OK);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(qkv_sequence_fork(rt, seq, nullptr), QKV_INVALID_ARGUMENT);
+    EXPECT_EQ(qkv_sequence_from_prefix(rt, seq, 1, nullptr), QKV_INVALID_ARGUMENT);
+    EXPECT_EQ(qkv_sequence_create(rt, nullptr), QKV_INVALID_ARGUMENT);
+    EXPECT_EQ(qkv_sequence_length(rt, seq, 0, nullptr), QKV_INVALID_ARGUMENT);
+  }
+  ASSERT_EQ(qkv_append(rt, seq, 0, kv.data(), kv.data(), 26), QKV_OK) << qkv_last_error(rt);  // all 8 pages
+  uint64_t next = 0;
+  ASSERT_EQ(qkv_sequence_create(rt, &next), QKV_OK);
+  EXPECT_EQ(next, seq + 1);
+  qkv_config_default(nullptr);  // no crash
+  qkv_destroy(rt);
+}
+
+// q == out is allowed on the host API: the result is that of separate buffers.
+TEST(CApi, QueriesMayShareTheOutputBuffer) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  qkv_runtime* rt = nullptr;
+  ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();
+  uint64_t seqs[2];
+  std::vector<float> kv(300 * cfg.kv_heads * cfg.head_dim);
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = std::sin(float(i) * 0.37f);
+  for (uint64_t& s : seqs) {
+    ASSERT_EQ(qkv_sequence_create(rt, &s), QKV_OK);
+    for (int l = 0; l < cfg.layers; ++l) ASSERT_EQ(qkv_append(rt, s, l, kv.data(), kv.data() + 7, 290), QKV_OK);
+  }
+  std::vector<float> q(2 * cfg.q_heads * cfg.head_dim), out(q.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(float(i) * 0.11f);
+  for (int layer : {0, 3}) {
+    ASSERT_EQ(qkv_decode_attention(rt, seqs, 2, layer, q.data(), out.data()), QKV_OK);
+    std::vector<float> inout = q;
+    ASSERT_EQ(qkv_decode_attention(rt, seqs, 2, layer, inout.data(), inout.data()), QKV_OK);
+    EXPECT_EQ(inout, out) << "layer " << layer;
+    ASSERT_EQ(qkv_dense_attention(rt, seqs, 2, layer, q.data(), out.data()), QKV_OK);
+    inout = q;
+    ASSERT_EQ(qkv_dense_attention(rt, seqs, 2, layer, inout.data(), inout.data()), QKV_OK);
+    EXPECT_EQ(inout, out) << "layer " << layer;
+  }
+  qkv_destroy(rt);
+}
+
+// sink_pages + local_pages is computed in 64 bits: INT_MAX of either is an
+// error, not an overflow that turns decode into dense attention.
+TEST(CApi, HugeSinkOrLocalCountsAreRejected) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  cfg.sink_pages = INT_MAX;  // the default budget of 64 pages cannot hold it
+  qkv_runtime* rt = nullptr;
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT) << qkv_create_error();
+  EXPECT_NE(std::string(qkv_create_error()).find("sink"), std::string::npos) << qkv_create_error();
+  qkv_config_default(&cfg);
+  cfg.local_pages = INT_MAX;
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT) << qkv_create_error();
+  EXPECT_NE(std::string(qkv_create_error()).find("local"), std::string::npos) << qkv_create_error();
+}
+
+// Under an address-space limit a runtime sized for 2^30 pages is either made
+// (its tables grow with use) or refused with ResourceExhausted; either way
+// no exception escapes into the C caller and the process lives.
+TEST(CApi, AnAddressSpaceLimitIsAnErrorNotAnAbort) {
+  EXPECT_EXIT(
+      {
+        struct rlimit limit {};
+        limit.rlim_cur = limit.rlim_max = rlim_t(1) << 30;
+        if (::setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(3);
+        qkv_config cfg;
+        qkv_config_default(&cfg);
+        cfg.max_pages = 1u << 30;
+        qkv_runtime* rt = nullptr;
+        const qkv_status s = qkv_create(&cfg, &rt);
+        if (s == QKV_RESOURCE_EXHAUSTED && rt == nullptr && qkv_create_error()[0] != '\0') std::_Exit(0);
+        if (s != QKV_OK) std::_Exit(4);
+        uint64_t seq = 0;
+        std::vector<float> kv(64 * 2 * 64, 0.5f);
+        qkv_status a = qkv_sequence_create(rt, &seq);
+        for (int i = 0; i < 4 && a == QKV_OK; ++i) a = qkv_append(rt, seq, 0, kv.data(), kv.data(), 64);
+        qkv_destroy(rt);
+        std::_Exit(a == QKV_OK || a == QKV_RESOURCE_EXHAUSTED ? 0 : 5);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

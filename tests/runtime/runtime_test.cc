@@ -491,5 +491,25 @@ TEST_F(RuntimeTest, HbmBudgetBoundsCacheButNotContext) {
   ExpectAttention(a, 0);
 }
 
+// Finite keys whose logits pass float32's range are refused with a message,
+// never answered with NaN outputs and OK; the sequence stays usable.
+TEST_F(RuntimeTest, LogitsPastFloatRangeAreAnErrorNotNaN) {
+  Make(Geo(4), Policy(16, 1, 1));
+  SeqId a = NewSeq();
+  std::vector<float> k(8 * row(), 3e37f), v(8 * row(), 1.f);
+  for (int l = 0; l < g().layers; ++l) ASSERT_TRUE(rt_->Append(a, l, k.data(), v.data(), 8).ok());
+  std::vector<float> q(std::size_t(g().q_heads) * g().head_dim, 1.f), out(q.size());
+  SeqId one[] = {a};
+  for (int l = 0; l < g().layers; ++l) {
+    Status s = rt_->DecodeAttention(one, l, q.data(), out.data());
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("overflow float32"), std::string::npos) << s.ToString();
+    EXPECT_EQ(rt_->DenseAttention(one, l, q.data(), out.data()).code(), Code::kInvalidArgument);
+  }
+  std::fill(q.begin(), q.end(), 1e-37f);  // small queries bring the logits back in range
+  ASSERT_TRUE(rt_->DecodeAttention(one, 0, q.data(), out.data()).ok());
+  for (float x : out) EXPECT_NEAR(x, 1.f, 1e-6);
+}
+
 }  // namespace
 }  // namespace questkv
