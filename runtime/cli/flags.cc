@@ -1,19 +1,26 @@
 #include "runtime/cli/flags.h"
 
-#include <cerrno>
-#include <cstdlib>
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdint>
+#include <limits>
 
 namespace questkv::cli {
 
 namespace {
+// Exactly an optional '-' and decimal digits: no whitespace, no '+', nothing
+// after, so "16 " or "+16" is a typo to report, not a value to guess at.
 Result<int64_t> ParseInt(const std::string& flag, const std::string& text) {
   if (text.empty()) return Status::InvalidArgument("--" + flag + ": empty value");
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0')
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (ec == std::errc::result_out_of_range)
+    return Status::InvalidArgument("--" + flag + ": '" + text + "' is outside the 64-bit integer range");
+  if (ec != std::errc() || ptr != end)
     return Status::InvalidArgument("--" + flag + ": '" + text + "' is not an integer");
-  return int64_t(v);
+  return v;
 }
 }  // namespace
 
@@ -70,8 +77,11 @@ Result<std::vector<int64_t>> Flags::IntList(const std::string& name, std::vector
   std::size_t start = 0;
   while (start <= text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
-    QKV_ASSIGN_OR_RETURN(int64_t v, ParseInt(name, text.substr(start, comma - start)));
-    out.push_back(v);
+    if (comma == start) return Status::InvalidArgument("--" + name + ": empty item in '" + text + "'");
+    const std::string item = text.substr(start, comma - start);
+    Result<int64_t> v = ParseInt(name, item);
+    if (!v.ok()) return Status::InvalidArgument("--" + name + ": '" + item + "' in '" + text + "' is not an integer");
+    out.push_back(*v);
     start = comma + 1;
   }
   return out;
@@ -80,19 +90,29 @@ Result<std::vector<int64_t>> Flags::IntList(const std::string& name, std::vector
 Result<uint64_t> Flags::Bytes(const std::string& name, uint64_t fallback) const {
   auto it = values_.find(name);
   if (it == values_.end()) return fallback;
-  std::string text = it->second;
+  const std::string& given = it->second;
+  std::string digits = given;
   uint64_t scale = 1;
-  if (!text.empty()) {
-    const char unit = char(std::toupper(static_cast<unsigned char>(text.back())));
+  if (!digits.empty()) {
+    const char unit = char(std::toupper(static_cast<unsigned char>(digits.back())));
     const std::string units = "KMGT";
     if (const auto pos = units.find(unit); pos != std::string::npos) {
       scale = uint64_t(1) << (10 * (pos + 1));
-      text.pop_back();
+      digits.pop_back();
     }
   }
-  QKV_ASSIGN_OR_RETURN(int64_t v, ParseInt(name, text));
-  if (v < 0) return Status::InvalidArgument("--" + name + " must not be negative");
-  return uint64_t(v) * scale;
+  // Byte counts travel as int64 (reports, tier accounting): a larger size
+  // is refused rather than wrapped.
+  const Status too_large = Status::InvalidArgument("--" + name + " " + given + " is more than 2^63-1 bytes");
+  const bool all_digits = !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) {
+    return c >= '0' && c <= '9';
+  });
+  Result<int64_t> v = ParseInt(name, digits);
+  if (!v.ok() && all_digits) return too_large;
+  if (!v.ok()) return Status::InvalidArgument("--" + name + ": '" + given + "' is not a size (digits, then K, M, G or T)");
+  if (*v < 0) return Status::InvalidArgument("--" + name + " must not be negative");
+  if (uint64_t(*v) > uint64_t(std::numeric_limits<int64_t>::max()) / scale) return too_large;
+  return uint64_t(*v) * scale;
 }
 
 }  // namespace questkv::cli

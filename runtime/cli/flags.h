@@ -1,6 +1,7 @@
 // A small strict flag parser for the CLI: `--name value` or `--name=value`,
 // bare `--name` for booleans. Unknown flags, missing values and malformed
-// numbers are InvalidArgument naming the flag.
+// numbers are InvalidArgument naming the flag. Integers are plain decimal: an
+// optional '-' and digits, no spaces, no '+'.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,7 @@ class Flags {
   Result<int64_t> Int(const std::string& name, int64_t fallback, int64_t min, int64_t max) const;
   // Comma-separated integers ("0,1"); "" or "none" is the empty list.
   Result<std::vector<int64_t>> IntList(const std::string& name, std::vector<int64_t> fallback) const;
-  // Sizes with an optional K/M/G/T suffix (powers of 1024).
+  // Sizes with an optional K/M/G/T suffix (powers of 1024), at most 2^63-1 bytes.
   Result<uint64_t> Bytes(const std::string& name, uint64_t fallback) const;
 
  private:

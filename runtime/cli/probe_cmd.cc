@@ -2,6 +2,7 @@
 // tiers use — host memory, disk (raw io_uring and through the disk tier at the
 // page size in use) and host<->GPU — as a table or one JSON object.
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -62,7 +63,9 @@ Result<double> ParseSeconds(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(std::string text, f.String("seconds", "2"));
   char* end = nullptr;
   const double seconds = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0' || !(seconds > 0) || seconds > 3600)
+  // strtod skips leading spaces and takes a '+'; the other flags refuse both.
+  const bool plain = !text.empty() && (std::isdigit(static_cast<unsigned char>(text[0])) || text[0] == '.');
+  if (!plain || *end != '\0' || !(seconds > 0) || seconds > 3600)
     return Status::InvalidArgument("--seconds: '" + text + "' is not a duration in (0, 3600] seconds");
   return seconds;
 }
