@@ -23,8 +23,8 @@ constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
 }  // namespace
 
 TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
-                     uint32_t pages, HbmCache* hbm, SlotArena* host, DiskTier* disk)
-    : g_(g), policy_(policy), high_water_(high_water), low_water_(low_water), hbm_(hbm), host_(host), disk_(disk),
+                     uint32_t pages, SlotArena* host, DiskTier* disk)
+    : g_(g), policy_(policy), high_water_(high_water), low_water_(low_water), host_(host), disk_(disk),
       homes_(pages) {
   stats_.host_slots_capacity = host_->capacity();
 }
@@ -58,6 +58,7 @@ Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t s
   }
   h = Home{};
   h.host_slot = *slot;
+  h.sealed = true;
   h.generation = generation;
   h.last_step = step - 1;  // sealed, not yet selected: demotable this step
   CountHost();
@@ -78,40 +79,8 @@ void TierMover::CountHost() {
   stats_.host_slots_peak = std::max(stats_.host_slots_peak, host_->used());
 }
 
-Status TierMover::Seal(uint32_t page, uint32_t generation, int64_t step) {
-  QKV_ASSIGN_OR_RETURN(void* bytes, SealBegin(page, generation, step));
-  float* home = static_cast<float*>(bytes);
-  const std::size_t hp = g_.head_page_elems();
-  for (int head = 0; head < g_.kv_heads; ++head) {
-    const int32_t s = hbm_->Lookup(page, head);
-    assert(s != HbmCache::kNone);
-    std::memcpy(home + head * hp, hbm_->data(s), hp * sizeof(float));
-    std::memcpy(home + (g_.kv_heads + head) * hp, hbm_->data(s) + hp, hp * sizeof(float));
-    hbm_->Unpin(s, step);
-  }
-  SealEnd(page);
-  return Status::Ok();
-}
-
-void TierMover::CopyHeadToSlot(uint32_t page, int head, float* slot) {
-  const float* home = host_->data(homes_[page].host_slot);
-  const std::size_t hp = g_.head_page_elems();
-  std::memcpy(slot, home + head * hp, hp * sizeof(float));
-  std::memcpy(slot + hp, home + (g_.kv_heads + head) * hp, hp * sizeof(float));
-}
-
-Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int head, uint32_t partition,
-                                      int64_t step) {
+Result<const void*> TierMover::HomeForMiss(uint32_t page, uint32_t generation, int64_t step) {
   Home& h = homes_[page];
-  if (h.last_step != step) ++h.uses;
-  h.last_step = step;
-  const std::size_t hp = g_.head_page_elems();
-  if (const int32_t s = hbm_->Lookup(page, head); s != HbmCache::kNone) {
-    ++hbm_->stats().hits;
-    hbm_->Touch(s, step);
-    return HeadSource{hbm_->data(s), hbm_->data(s) + hp, false};
-  }
-  ++hbm_->stats().misses;
   if (!h.host_valid) {
     if (!disk_) return Status::Internal("page " + std::to_string(page) + " has no home");
     ++stats_.cold_misses;
@@ -121,36 +90,15 @@ Result<HeadSource> TierMover::Resolve(uint32_t page, uint32_t generation, int he
       // Start the promotion if there is room now, else queue it; never wait for it.
       QKV_RETURN_IF_ERROR(PromoteOrQueue(page));
       ++stats_.pages_skipped;
-      return HeadSource{nullptr, nullptr, true};
+      return static_cast<const void*>(nullptr);
     }
     ++stats_.cold_stalls;
     QKV_RETURN_IF_ERROR(EnsureHost(page, generation, step));
   }
-  stats_.bytes.host_to_hbm += int64_t(2 * hp * sizeof(float));
-  auto slot = hbm_->Insert(page, head, partition, step, false);
-  if (!slot.ok()) {
-    // Nothing evictable: attend from the host home in place (zero-copy).
-    ++hbm_->stats().bypasses;
-    h.pinned_epoch = read_epoch_;  // attention holds a pointer into the host slot
-    const float* home = host_->data(h.host_slot);
-    return HeadSource{home + head * hp, home + (g_.kv_heads + head) * hp, false};
-  }
-  CopyHeadToSlot(page, head, hbm_->data(*slot));
-  return HeadSource{hbm_->data(*slot), hbm_->data(*slot) + hp, false};
+  return static_cast<const void*>(host_->data(h.host_slot));
 }
 
-Status TierMover::ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step) {
-  const std::size_t hp = g_.head_page_elems();
-  bool in_hbm = hbm_ != nullptr;
-  for (int head = 0; head < g_.kv_heads && in_hbm; ++head) in_hbm = hbm_->Lookup(page, head) != HbmCache::kNone;
-  if (in_hbm) {
-    for (int head = 0; head < g_.kv_heads; ++head) {
-      const float* s = hbm_->data(hbm_->Lookup(page, head));
-      std::memcpy(dst + head * hp, s, hp * sizeof(float));
-      std::memcpy(dst + (g_.kv_heads + head) * hp, s + hp, hp * sizeof(float));
-    }
-    return Status::Ok();
-  }
+Status TierMover::ReadPage(uint32_t page, uint32_t generation, void* dst, int64_t step) {
   QKV_RETURN_IF_ERROR(EnsureHost(page, generation, step));
   std::memcpy(dst, host_->data(homes_[page].host_slot), g_.page_bytes());
   return Status::Ok();
@@ -161,7 +109,7 @@ Status TierMover::Prefetch(uint32_t page, bool ahead) {
   if (!disk_ || h.host_valid || !disk_->Holds(page, h.generation)) return Status::Ok();
   // A speculative read keeps the host below its high-water mark; a page
   // already missed (attended without under deadline) may take any free slot,
-  // as Resolve's deadline path does: with the host held just above the mark
+  // as HomeForMiss's deadline path does: with the host held just above the mark
   // by demotions in flight, the high-water rule refused every such promotion
   // and a 1M-token CUDA run skipped the same third of its selections each step.
   if (!ahead) return PromoteOrQueue(page);
@@ -218,7 +166,6 @@ Result<bool> TierMover::PromoteIfRoom(uint32_t page) {
 void TierMover::Drop(uint32_t page) {
   Home& h = homes_[page];
   if (h.io != Io::kIdle) (void)WaitIdle(page);  // its outcome no longer matters
-  if (hbm_) hbm_->Drop(page);
   SetHostValid(page, false);
   if (h.host_slot != kNoSlot) host_->Free(h.host_slot);
   if (disk_) disk_->Drop(page);

@@ -1,9 +1,11 @@
-// TierMover: moves page bytes between the tiers and counts every byte moved —
-// the one place that does either.
+// TierMover: keeps the homes of sealed pages (host and disk), moves page
+// bytes between them and counts every byte moved — the one place that does
+// either. The hbm tier belongs to the runtime's backend, which
+// asks the mover for homes and reports the bytes it fetched from them.
 //
-//   seal        hbm (tail slots) -> host home, when a page fills
-//   fetch       host home -> an hbm cache slot, for a selected head-page that
-//               missed (or read in place when no slot can be evicted)
+//   seal        a full page's bytes -> its host home (SealBegin/SealEnd)
+//   miss        a selected head-page not in hbm: its readable host home,
+//               promoted from disk first if need be (HomeForMiss)
 //   demote      host -> disk, coldest pages first (least recently, then least
 //               often selected), past the host high-water mark down to the low
 //               one; the host slot is freed once the write completed and its
@@ -24,7 +26,7 @@
 // decode step that selects it, under `deadline` too.
 //
 // Sealed pages are immutable, so every copy is clean and nothing is ever
-// written back from hbm more than once. The CPU backend drives this from the
+// written back from hbm more than once. The runtime drives this from the
 // decode thread (Pump once per decode call); nothing here starts a thread.
 //
 // Thread-compatible.
@@ -41,7 +43,6 @@
 #include "runtime/status.h"
 #include "tiers/arena.h"
 #include "tiers/disk_tier.h"
-#include "tiers/hbm_cache.h"
 
 namespace questkv {
 
@@ -61,26 +62,16 @@ struct MoverStats {
   uint32_t host_slots_capacity = 0, host_slots_used = 0, host_slots_peak = 0;
 };
 
-// Where attention reads one head-page from this step.
-struct HeadSource {
-  const float* k = nullptr;  // [S][D]
-  const float* v = nullptr;  // [S][D]
-  bool skipped = false;      // deadline policy: not available this step
-};
-
 class TierMover {
  public:
   // Failed I/Os in a row after which the disk (for writes) or a page's disk
   // copy (for reads) counts as failing.
   static constexpr int kIoAttempts = 3;
 
-  // `disk` may be null (no disk tier). `hbm` is null on the CUDA backend,
-  // whose hbm tier lives on the device (runtime/cuda_backend.h): there the
-  // device resolves and fetches, and the mover keeps the host and disk homes.
-  // The mover does not own the tiers.
+  // `disk` may be null (no disk tier). The mover does not own the tiers.
   // `pages`: the page ids the mover's table holds at first (GrowPages adds).
   TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t pages,
-            HbmCache* hbm, SlotArena* host, DiskTier* disk);
+            SlotArena* host, DiskTier* disk);
   // Holds page ids [0, pages) from now on (PageAllocator's grow hook).
   // Throws std::bad_alloc, leaving the table as it was, when memory is short.
   void GrowPages(uint32_t pages) { homes_.resize(std::max<std::size_t>(homes_.size(), pages)); }
@@ -91,15 +82,15 @@ class TierMover {
   using HomeListener = std::function<void(uint32_t page, const void* home)>;
   void SetHomeListener(HomeListener listener) { listener_ = std::move(listener); }
 
-  // Gives a page that just filled a host home and turns its pinned hbm slots
-  // into cached ones. ResourceExhausted when host and disk are both full.
-  Status Seal(uint32_t page, uint32_t generation, int64_t step);
-  // The same in two halves, for bytes that arrive from elsewhere (the
-  // device): SealBegin reserves the home and returns it to be filled;
-  // SealEnd, once the bytes have landed, checksums it and makes it readable.
-  // Between the two the page is neither readable nor demotable.
+  // Gives a full page its host home, in two halves: SealBegin reserves the
+  // home and returns it to be filled (ResourceExhausted when host and disk
+  // are both full, IOError when demotions keep failing); SealEnd, once the
+  // bytes have landed, checksums it and makes it readable. Between the two
+  // the page is neither readable nor demotable.
   Result<void*> SealBegin(uint32_t page, uint32_t generation, int64_t step);
   void SealEnd(uint32_t page);
+  // Whether the page was sealed (has a home, readable or not).
+  bool sealed(uint32_t page) const { return page < homes_.size() && homes_[page].sealed; }
   // Makes the page's host home readable, promoting it from disk and waiting
   // for it if need be (a cold miss under `strict`).
   Status EnsureHost(uint32_t page, uint32_t generation, int64_t step);
@@ -108,12 +99,21 @@ class TierMover {
   // Counts a selection of the page at `step` (demotion order), for the CUDA
   // backend whose selections the mover does not see one by one.
   void NoteSelected(uint32_t page, int64_t step);
-  // The head-page's bytes for attention at `step`, fetching on a miss.
-  Result<HeadSource> Resolve(uint32_t page, uint32_t generation, int head, uint32_t partition, int64_t step);
-  // Copies a page's bytes (layout [2][Hkv][S][D], page_bytes() of the model
-  // dtype) to dst from wherever they are, promoting it from disk (counted
-  // like any promotion) if need be.
-  Status ReadPage(uint32_t page, uint32_t generation, float* dst, int64_t step);
+  // A selected head-page that missed hbm at `step`: its readable host home
+  // (the whole page, [2][Hkv][S][D]). A home on disk is a cold miss: under
+  // `strict` the call waits for its promotion; under `deadline` the promotion
+  // starts (or queues) and the result is null: attend without it this step.
+  // A page whose reads keep failing is IOError.
+  Result<const void*> HomeForMiss(uint32_t page, uint32_t generation, int64_t step);
+  // Bytes a backend copied from host homes into hbm (the one byte counter).
+  void CountHostToHbm(int64_t bytes) { stats_.bytes.host_to_hbm += bytes; }
+  // The caller reads the page's host home in place until EndReads: it is not
+  // demoted meanwhile.
+  void ReadInPlace(uint32_t page) { homes_[page].pinned_epoch = read_epoch_; }
+  // Copies a sealed page's bytes (layout [2][Hkv][S][D], page_bytes() of the
+  // model dtype) from its home to dst, promoting it from disk (counted like
+  // any promotion) if need be.
+  Status ReadPage(uint32_t page, uint32_t generation, void* dst, int64_t step);
   // A page predicted to be selected soon: if its home is disk and the host
   // has room below its high-water mark, start promoting it (never waits).
   // `ahead` false: a page already missed, promoted into any free host slot
@@ -127,8 +127,8 @@ class TierMover {
   Status Pump(int64_t step);
   // Missed pages waiting for their promotion to start.
   std::size_t pending_promotions() const { return pending_.size(); }
-  // The caller is done with every pointer Resolve returned so far: host slots
-  // read in place may be demoted again.
+  // The caller is done with every host home it read in place so far: they
+  // may be demoted again.
   void EndReads() { ++read_epoch_; }
 
   const MoverStats& stats() const { return stats_; }
@@ -140,6 +140,7 @@ class TierMover {
   enum class Io : uint8_t { kIdle, kWriting, kReading };
   struct Home {
     uint32_t host_slot = UINT32_MAX;
+    bool sealed = false;      // SealBegin called
     bool host_valid = false;  // host slot holds the bytes (not mid-read)
     Io io = Io::kIdle;
     uint32_t generation = 0;
@@ -168,14 +169,12 @@ class TierMover {
   Status PromoteOrQueue(uint32_t page);
   // Starts pending_'s promotions, oldest first, while there is room.
   Status StartPending();
-  void CopyHeadToSlot(uint32_t page, int head, float* slot);
   void CountHost();
   void SetHostValid(uint32_t page, bool valid);
 
   Geometry g_;
   ColdMissPolicy policy_;
   double high_water_, low_water_;
-  HbmCache* hbm_;
   SlotArena* host_;
   DiskTier* disk_;
   std::vector<Home> homes_;  // [page ids handed out so far, rounded up]

@@ -1,6 +1,44 @@
-// The CUDA backend's data plane (runtime/cuda_backend.h). Plain C++ against
-// the CUDA runtime API; every kernel comes from kernels/cuda.
-#include "runtime/cuda_backend.h"
+// The CUDA backend (DESIGN.md §4, §7): the DataPlane (runtime/backend.h) the
+// runtime hands to the GPU when Config::backend is kCuda. Policy stays in the
+// runtime —
+// PageIds, page lists, refcounts, the host and disk tiers (TierMover) — and
+// this class keeps the device side:
+//   * the slot pool (head-pages [2][S][D] in the model dtype) in device memory:
+//     per (sequence, layer) partition Hkv pinned tail slots and an LRU list of
+//     cached slots that the device resolve reorders; a few staging slots
+//     through which prefill chunks pass on their way to their host homes;
+//   * the summary slab (model dtype: exact for keys stored in it; always
+//     resident), the residency table
+//     hbm_slot[PageId][Hkv], the slot tables and host_addr[PageId] (device
+//     pointers to the pinned host homes, mirrored from TierMover's listener);
+//   * a device mirror of each partition's page list;
+// and runs append + seal copy, and the decode step select -> resolve (zero-
+// copy gather of misses, cold misses to the host) -> sparse attention.
+//
+// Each partition's list always holds at least as many slots as its sequence
+// can select in one call (DecodeStep grows it from the free pool first), so
+// the resolve never has to bypass: every selected page is attended from HBM.
+// When the pool cannot give that much, the call fails with ResourceExhausted
+// before launching anything (hbm_bytes too small for the budget and the dense
+// layers).
+//
+// Synchronisation: every call is ordered on one CUDA stream (stream()). A
+// decode step on device pointers returns as soon as it is enqueued when
+// nothing on the host has to wait for it: no disk tier (so no host home can
+// move, be reused or be freed under a kernel that reads it — without a disk
+// host homes live as long as their pages, and a freed home is only rewritten
+// by later work on the same stream), no selections asked for, no phase
+// timing. It reads nothing back: the next wait checks the device's
+// cumulative count of selected head-pages that found no slot, and such a
+// fault comes back from the next call or from Synchronize(). Every other call
+// returns with the device idle, so with a disk tier the host-side tiers may
+// move homes between calls without racing a kernel. Within a step nothing
+// waits on the host except cold misses under `strict`.
+//
+// Thread-compatible; one CUDA stream.
+//
+// Plain C++ against the CUDA runtime API; every kernel comes from kernels/cuda.
+#include "runtime/backend.h"
 
 #include <cuda_runtime.h>
 
@@ -144,7 +182,14 @@ class HostClock {
   std::chrono::steady_clock::time_point last_;
 };
 
-class CudaBackendImpl final : public CudaBackend {
+// Device counters, accumulated since creation.
+struct CudaCounters {
+  int64_t selected = 0, hits = 0, misses_host = 0, misses_disk = 0, evictions = 0, bytes_host_to_hbm = 0;
+  int64_t cold_stalls = 0, pages_skipped = 0;
+  uint64_t slots_capacity = 0, slots_used = 0, slots_peak = 0, slot_bytes = 0;
+};
+
+class CudaBackendImpl final : public DataPlane {
  public:
   CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
       : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
@@ -187,12 +232,17 @@ class CudaBackendImpl final : public CudaBackend {
   Status SetPages(uint32_t part, std::span<const PageId> pages) override;
   Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                 int64_t step) override;
-  Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len) override;
-  Status TailFromHost(uint32_t part, PageId dst, const void* page, int len) override;
+  Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) override;
+  Status TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) override;
   Status TruncateTail(uint32_t part, PageId tail, int len) override;
-  Status ReadTail(uint32_t part, PageId tail, void* dst) override;
+  Status ReadPage(uint32_t part, PageId page, void* dst, int64_t step) override {
+    if (!mover_->sealed(page)) return ReadTail(part, page, dst);
+    return mover_->ReadPage(page, ids_->generation(page), dst, step);
+  }
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
+  std::size_t summary_elem_bytes() const override { return g_.summary_elem_bytes(); }
   Status DecodeStep(const Step& s) override;
+  bool on_device() const override { return true; }
   Status Synchronize() override {
     QKV_RETURN_IF_ERROR(Sync());
     return std::exchange(async_error_, Status::Ok());
@@ -200,9 +250,29 @@ class CudaBackendImpl final : public CudaBackend {
   void* stream() const override { return stream_; }
   Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
                                   int64_t* bytes) override;
-  CudaCounters counters() override;
+  BackendCounters counters() override;
 
  private:
+  // The step as RunStep takes it: the phase timings and counts to add to.
+  struct StepArgs {
+    std::span<const uint32_t> partitions;
+    std::span<const PageList* const> lists;
+    int layer = 0;
+    bool dense = false;
+    const void* q = nullptr;
+    void* out = nullptr;
+    bool host_f32 = true;
+    int64_t step = 0;
+    std::vector<PageSelection>* selections = nullptr;
+    double* select_us = nullptr;
+    double* resolve_us = nullptr;
+    double* attend_us = nullptr;
+    int64_t* selected = nullptr;
+    int64_t* graphs_captured = nullptr;
+  };
+  Status RunStep(const StepArgs& s);
+  Status ReadTail(uint32_t part, PageId tail, void* dst);
+  CudaCounters device_counters();
   struct Partition {
     bool live = false;
     std::vector<int32_t> tail;       // [Hkv] pinned slots of the page being filled
@@ -870,7 +940,7 @@ Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, in
   return Status::Ok();
 }
 
-Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len) {
+Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) {
   Partition &A = parts_[src_part], &B = parts_[dst_part];
   assert(A.tail_page == src);
   QKV_RETURN_IF_ERROR(AssignTail(dst_part, dst));
@@ -884,7 +954,7 @@ Status CudaBackendImpl::CopyTail(uint32_t src_part, PageId src, uint32_t dst_par
   return Sync();
 }
 
-Status CudaBackendImpl::TailFromHost(uint32_t part, PageId dst, const void* page, int len) {
+Status CudaBackendImpl::TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) {
   Partition& P = parts_[part];
   const int H = g_.kv_heads;
   QKV_RETURN_IF_ERROR(AssignTail(part, dst));
@@ -941,7 +1011,39 @@ Status CudaBackendImpl::ReadSummaries(std::span<const PageId> pages, float* dst)
 
 // ---- the decode step ---------------------------------------------------------------
 
-Status CudaBackendImpl::DecodeStep(const Step& s) {
+Status CudaBackendImpl::DecodeStep(const Step& st) {
+  for (std::size_t i = 0; i < st.partitions.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (st.partitions[i] == st.partitions[j])
+        return Status::InvalidArgument("the CUDA backend needs distinct sequences in a batch");
+  if (st.dense && c_.cold_miss != ColdMissPolicy::kStrict && mover_->has_disk())
+    return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
+  StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections};
+  AttendStats* stats = st.stats;
+  int64_t selected = 0;
+  if (stats && stats->time_phases) {
+    a.select_us = &stats->select_us;
+    a.resolve_us = &stats->resolve_us;
+    a.attend_us = &stats->attend_us;
+  }
+  a.selected = &selected;
+  if (stats) a.graphs_captured = &stats->graphs_captured;
+  QKV_RETURN_IF_ERROR(RunStep(a));
+  if (!stats) return Status::Ok();
+  const int64_t pages_budget = c_.policy.page_budget(st.layer, g_.page_size);
+  stats->head_pages_selected += selected;
+  for (const PageList* l : st.lists) {
+    const int64_t pages = int64_t(l->pages.size());
+    stats->head_pages_total += pages * g_.kv_heads;
+    if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages)
+      stats->summary_bytes_read += pages * int64_t(summary_bytes());
+  }
+  // Whole head-pages (a tail is counted whole): what the kernel reads.
+  stats->kv_bytes_read += selected * int64_t(2 * piece());
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::RunStep(const StepArgs& s) {
   if (!async_error_.ok()) return std::exchange(async_error_, Status::Ok());
   HostClock clock(prof_);
   const int B = int(s.lists.size()), H = g_.kv_heads, G = g_.group(), D = g_.head_dim, S = g_.page_size;
@@ -1363,7 +1465,18 @@ Result<double> CudaBackendImpl::TimeDenseOffload(std::span<const PageList* const
   return 1e3 * double(ms[ms.size() / 2]) * double(total) / measured;
 }
 
-CudaCounters CudaBackendImpl::counters() {
+BackendCounters CudaBackendImpl::counters() {
+  const CudaCounters d = device_counters();
+  BackendCounters c;
+  c.selected = d.selected, c.hits = d.hits, c.misses = d.misses_host + d.misses_disk, c.evictions = d.evictions;
+  c.bytes_h2d = d.bytes_host_to_hbm;
+  c.cold_misses = d.misses_disk, c.cold_stalls = d.cold_stalls, c.pages_skipped = d.pages_skipped;
+  c.slots_capacity = d.slots_capacity, c.slots_used = d.slots_used, c.slots_peak = d.slots_peak;
+  c.slot_bytes = d.slot_bytes;
+  return c;
+}
+
+CudaCounters CudaBackendImpl::device_counters() {
   kc::ResolveCounters c{};
   cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_);
   cudaStreamSynchronize(stream_);
@@ -1385,11 +1498,11 @@ CudaCounters CudaBackendImpl::counters() {
 
 }  // namespace
 
-Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Config& config, PageAllocator* ids, TierMover* mover,
-                                                          SlotArena* host) {
+Result<std::unique_ptr<DataPlane>> MakeCudaBackend(const Config& config, PageAllocator* ids, TierMover* mover,
+                                                   SlotArena* host) {
   auto impl = std::make_unique<CudaBackendImpl>(config, ids, mover, host);
   QKV_RETURN_IF_ERROR(impl->Init());
-  return std::unique_ptr<CudaBackend>(std::move(impl));
+  return std::unique_ptr<DataPlane>(std::move(impl));
 }
 
 }  // namespace questkv

@@ -1,9 +1,9 @@
 // Built without nvcc: the CUDA backend is not available.
-#include "runtime/cuda_backend.h"
+#include "runtime/backend.h"
 
 namespace questkv {
 
-Result<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Config&, PageAllocator*, TierMover*, SlotArena*) {
+Result<std::unique_ptr<DataPlane>> MakeCudaBackend(const Config&, PageAllocator*, TierMover*, SlotArena*) {
   return Status::Unimplemented("the CUDA backend was not built (no nvcc when configured)");
 }
 

@@ -1,10 +1,9 @@
 // questkv::Runtime — the KV cache manager and decode-attention backend.
 //
 // A Runtime owns the page-id space, the summary slab (always resident), the
-// three tiers — hbm (device memory on the CUDA backend, runtime/
-// cuda_backend.h; on the CPU backend a bounded host arena of head-page
-// slots: tails plus a cache), host (homes of sealed pages) and optionally
-// disk — and the sequences. The host-pointer API takes and returns f32 on
+// three tiers — hbm (device memory on the CUDA backend; on the CPU backend a
+// bounded host arena of head-page slots: tails plus a cache), host (homes of
+// sealed pages) and optionally disk — and the sequences. The host-pointer API takes and returns f32 on
 // both backends (the CUDA backend converts to and from the model dtype). Sequences are
 // named by SeqId. K/V enter per layer, token-major [n][Hkv][D]; decode
 // attention takes queries [B][Hq][D] for a batch of sequences at one layer and

@@ -5,7 +5,8 @@
 // Exit codes (commands.h): 0 done, 2 usage error (flags alone are wrong:
 // missing, unknown, not an integer, out of range, a budget smaller than the
 // sink + local pages), 1 data or runtime error (unreadable or malformed files,
-// shapes that disagree, NaN/Inf, the runtime refusing).
+// shapes that disagree, NaN/Inf, magnitudes whose sums overflow float32, the
+// runtime refusing).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -43,6 +44,8 @@ constexpr char kUsage[] =
     "\n"
     "Replays one decode query over K/V from .npy files through the questkv runtime\n"
     "(CPU backend, fp32) and writes the attention output and the selected pages.\n"
+    "Inputs must be finite and small enough for float32 sums: per query head\n"
+    "sum_j |q_j|*max_t |k_tj|, and per KV head T*max|v|, at most about 3.4e38.\n"
     "\n"
     "  --keys K.npy         keys   [Hkv, T, D], float32 or float16\n"
     "  --values V.npy       values [Hkv, T, D], float32 or float16\n"
@@ -180,6 +183,53 @@ Result<Inputs> LoadInputs(const AttendArgs& a) {
   return in;
 }
 
+// Headroom below float32's maximum for the rounding of the runtime's sums.
+constexpr double kFloatLimit = double(std::numeric_limits<float>::max()) * (1.0 - 1.0 / 1024);
+
+std::string Sci(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1e", x);
+  return buf;
+}
+
+// The runtime computes in float32, so finite inputs can still overflow it
+// and end in NaN. Refused here before any work, naming the head: every
+// partial sum of q·k (taken before the 1/sqrt(D) scale) is at most
+// Σ_j |q_j|·max_t |k_tj|, and every partial sum of the softmax-weighted
+// values (weights at most 1) at most T·max|v|.
+Status CheckFloatRange(const Inputs& in) {
+  const std::size_t d = std::size_t(in.d);
+  std::vector<double> kmax(std::size_t(in.hkv) * d, 0.0), vmax(std::size_t(in.hkv), 0.0);
+  for (std::size_t h = 0; h < std::size_t(in.hkv); ++h) {
+    for (std::size_t t = 0; t < std::size_t(in.tokens); ++t) {
+      const std::size_t row = (h * std::size_t(in.tokens) + t) * d;
+      for (std::size_t j = 0; j < d; ++j) {
+        kmax[h * d + j] = std::max(kmax[h * d + j], double(std::fabs(in.k.f32[row + j])));
+        vmax[h] = std::max(vmax[h], double(std::fabs(in.v.f32[row + j])));
+      }
+    }
+  }
+  const int group = in.hq / in.hkv;
+  for (int h = 0; h < in.hq; ++h) {
+    double bound = 0;
+    for (std::size_t j = 0; j < d; ++j)
+      bound += std::fabs(double(in.q.f32[std::size_t(h) * d + j])) * kmax[std::size_t(h / group) * d + j];
+    if (bound > kFloatLimit)
+      return Status::InvalidArgument("logits overflow float32: |q|·|k| reaches " + Sci(bound) + " for query head " +
+                                     std::to_string(h) + " (Σ_j |q_j|·max_t |k_tj|; float32 holds up to " +
+                                     Sci(std::numeric_limits<float>::max()) + "); scale the queries or keys down");
+  }
+  for (int h = 0; h < in.hkv; ++h) {
+    const double bound = double(in.tokens) * vmax[std::size_t(h)];
+    if (bound > kFloatLimit)
+      return Status::InvalidArgument("values overflow float32 in the attention sum: " + std::to_string(in.tokens) +
+                                     " tokens × max |v| " + Sci(vmax[std::size_t(h)]) + " reach " + Sci(bound) +
+                                     " for KV head " + std::to_string(h) + " (float32 holds up to " +
+                                     Sci(std::numeric_limits<float>::max()) + "); scale the values down");
+  }
+  return Status::Ok();
+}
+
 Result<Config> MakeConfig(const AttendArgs& a, const Inputs& in) {
   Config c;
   c.geometry.layers = 1;
@@ -248,6 +298,7 @@ Result<std::vector<int32_t>> SelectionMatrix(const PageSelection& sel, int hkv, 
 int Attend(const AttendArgs& a) {
   Result<Inputs> in = LoadInputs(a);
   if (!in.ok()) return Fail(kExitData, in.status().message());
+  if (Status s = CheckFloatRange(*in); !s.ok()) return Fail(kExitData, s.message());
   Result<Config> config = MakeConfig(a, *in);
   if (!config.ok()) return Fail(kExitData, "inputs do not fit the runtime: " + config.status().message());
   Result<std::unique_ptr<Runtime>> rt = Runtime::Create(*config);

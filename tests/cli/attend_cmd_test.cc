@@ -391,5 +391,50 @@ TEST_F(AttendTest, SingleTokenAndOddPageSizes) {
   }
 }
 
+// Finite float32 inputs whose sums pass float32's range are refused before
+// any work, naming the head and the size reached; inputs just inside the
+// bounds still give finite outputs that match attention in double.
+TEST_F(AttendTest, InputsThatOverflowFloat32AreRefusedByName) {
+  Problem p = RandomProblem(4, 2, 8, 32, 21);
+  for (float& x : p.k) x = x < 0 ? -1e38f : 1e38f;  // finite, but |q·k| reaches ~1e39
+  Write(p);
+  RunFails(Args(4, 16), 1, "logits overflow float32");
+  RunFails(Args(4, 16), 1, "scale the queries or keys down");
+
+  // Past float32 only before the 1/sqrt(D) scale: q·k = 64·1e37 overflows in
+  // the runtime's float sum though the scaled logit 8e37 would not.
+  Problem flat{2, 1, 64, 8, std::vector<float>(64 * 8, 1e37f), std::vector<float>(64 * 8, 1.f),
+               std::vector<float>(2 * 64, 1.f)};
+  flat.q[64 + 3] = -1.f;
+  Write(flat);
+  RunFails(Args(4, 8), 1, "for query head 0");
+
+  // One query head out of range names that head.
+  Problem one = RandomProblem(4, 2, 8, 32, 23);
+  for (float& x : one.k) x = x < 0 ? -1e19f : 1e19f;
+  for (float& x : one.q) x = 0.5f;
+  for (int j = 0; j < 8; ++j) one.q[std::size_t(2 * 8 + j)] = 1e19f;
+  Write(one);
+  RunFails(Args(4, 16), 1, "for query head 2");
+
+  Problem v = RandomProblem(4, 2, 8, 32, 25);
+  for (float& x : v.v) x = 1e38f;  // 32 tokens x 1e38 > 3.4e38
+  Write(v);
+  RunFails(Args(4, 16), 1, "values overflow float32");
+  RunFails(Args(4, 16), 1, "for KV head 0");
+}
+
+TEST_F(AttendTest, LargeInputsInsideFloat32StillMatchBruteForce) {
+  Problem p = RandomProblem(4, 2, 8, 32, 27);
+  for (float& x : p.k) x *= 1e18f;  // |q·k| up to ~1e19: softmax nearly one-hot
+  for (float& x : p.v) x *= 1e36f;  // 32 tokens x ~4e36 stays below 3.4e38
+  Write(p);
+  std::vector<float> out;
+  std::vector<std::vector<int>> sel;
+  RunOk(With(Args(4, 0), {"--dense"}), p, &out, &sel);
+  for (float x : out) ASSERT_TRUE(std::isfinite(x));
+  for (int h = 0; h < p.hq; ++h) EXPECT_LE(RelError(out.data() + std::size_t(h) * p.d, BruteForce(p, h, 4, {})), 1e-5);
+}
+
 }  // namespace
 }  // namespace questkv

@@ -29,7 +29,7 @@ class TierMoverTest : public ::testing::Test {
     ASSERT_TRUE(disk.ok()) << disk.status().ToString();
     disk_ = std::move(*disk);
     ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
                                          disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   }
@@ -56,7 +56,7 @@ class TierMoverTest : public ::testing::Test {
   // `seed` * page, page p last selected at step p + 2; two pumps put the
   // three coldest (0, 1, 2) on disk.
   void DeadlineWithThreeOnDisk(uint8_t seed) {
-    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, nullptr, host_.get(),
+    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, host_.get(),
                                          disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
     for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(seed * p), 1);
@@ -136,7 +136,7 @@ TEST_F(TierMoverTest, ADemotionOrderLastsSixtyFourModelSteps) {
   Geometry g32 = g_;
   g32.layers = 32;
   const int64_t age = 64 * 2 * 32;
-  mover_ = std::make_unique<TierMover>(g32, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+  mover_ = std::make_unique<TierMover>(g32, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
                                        disk_.get());
   mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   // Pages 0..6 fill 7 of 8 host slots (high water 6); the order made at
@@ -249,7 +249,7 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   ASSERT_TRUE(disk.ok());
   disk_ = std::move(*disk);
   ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, nullptr, host_.get(),
+  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
                                        disk_.get());
   mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   Status last;
