@@ -4,12 +4,14 @@
 //
 // Exit codes (commands.h): 0 done, 2 usage error (flags alone are wrong:
 // missing, unknown, not an integer, out of range, a budget smaller than the
-// sink + local pages), 1 data or runtime error (unreadable or malformed files,
-// shapes that disagree, NaN/Inf, magnitudes whose sums overflow float32, the
-// runtime refusing).
+// sink + local pages, an output path naming an input or the other output),
+// 1 data or runtime error (unreadable or malformed files, shapes that
+// disagree, NaN/Inf, magnitudes whose sums overflow float32, the runtime
+// refusing).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <string>
@@ -64,7 +66,8 @@ constexpr char kUsage[] =
     "                       infinite and its page scores +inf)\n"
     "  --output O.npy       float32 [Hq, D] output, softmax scale 1/sqrt(D)\n"
     "  --selected SEL.npy   int32 [Hkv, N] selected logical page indices per KV head,\n"
-    "                       ascending, padded with -1\n"
+    "                       ascending, padded with -1 (a path other than the inputs'\n"
+    "                       and --output's)\n"
     "  --help               this text\n"
     "\n"
     "Exit status: 0 success, 1 bad input data or runtime failure, 2 usage error.\n";
@@ -86,6 +89,35 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
+// Whether two paths name one file: the same text, the same file on disk, or
+// the same place once "." and ".." and symbolic links are resolved (an output
+// need not exist yet).
+bool SamePath(const std::string& a, const std::string& b) {
+  namespace fs = std::filesystem;
+  if (a == b) return true;
+  std::error_code ec1, ec2;
+  if (fs::exists(a, ec1) && fs::exists(b, ec2)) return fs::equivalent(a, b, ec1) && !ec1;
+  const fs::path ca = fs::weakly_canonical(a, ec1), cb = fs::weakly_canonical(b, ec2);
+  return !ec1 && !ec2 && ca == cb;
+}
+
+// An output naming an input, or both outputs naming one file, would lose
+// data silently: the second write replaces the first.
+Status CheckOutputPaths(const AttendArgs& a) {
+  const std::pair<const char*, const std::string*> outputs[] = {{"output", &a.output}, {"selected", &a.selected}};
+  const std::pair<const char*, const std::string*> others[] = {
+      {"keys", &a.keys}, {"values", &a.values}, {"query", &a.query}, {"output", &a.output}};
+  for (const auto& [out_flag, out] : outputs) {
+    if (out->empty()) continue;
+    for (const auto& [flag, path] : others) {
+      if (path == out || !SamePath(*out, *path)) continue;
+      return Status::InvalidArgument("--" + std::string(out_flag) + " '" + *out + "' and --" + flag + " '" + *path +
+                                     "' name the same file; give each output a path of its own");
+    }
+  }
+  return Status::Ok();
+}
+
 // Flags alone decide a usage error: any failure here exits 2.
 Result<AttendArgs> ParseArgs(int argc, char** argv) {
   Flags flags({"keys", "values", "query", "output", "selected", "page-size", "token-budget", "sink-pages",
@@ -103,6 +135,7 @@ Result<AttendArgs> ParseArgs(int argc, char** argv) {
     QKV_ASSIGN_OR_RETURN(*path, flags.String(name, ""));
     if (path->empty() && flags.has(name)) return Status::InvalidArgument("--" + std::string(name) + ": empty path");
   }
+  QKV_RETURN_IF_ERROR(CheckOutputPaths(a));
   QKV_ASSIGN_OR_RETURN(a.page_size, flags.Int("page-size", 0, 1, 1024));
   QKV_ASSIGN_OR_RETURN(a.token_budget, flags.Int("token-budget", -1, 0, std::numeric_limits<int64_t>::max()));
   QKV_ASSIGN_OR_RETURN(a.sink_pages, flags.Int("sink-pages", 0, 0, kMaxCount));

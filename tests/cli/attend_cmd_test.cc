@@ -436,5 +436,32 @@ TEST_F(AttendTest, LargeInputsInsideFloat32StillMatchBruteForce) {
   for (int h = 0; h < p.hq; ++h) EXPECT_LE(RelError(out.data() + std::size_t(h) * p.d, BruteForce(p, h, 4, {})), 1e-5);
 }
 
+// Two flags naming one file would lose data silently (the output replaced by
+// the selection, or an input overwritten): a usage error, inputs untouched.
+TEST_F(AttendTest, OutputsNamingTheSameFileAreUsageErrors) {
+  Write(RandomProblem(4, 2, 8, 40, 29));
+  const std::string k_before = test::ReadBytes(K());
+  const std::vector<std::string> same = {"--keys", K(), "--values", V(), "--query", Q(), "--page-size", "4",
+                                         "--token-budget", "16", "--output", O(), "--selected", O()};
+  RunFails(same, 2, "name the same file");
+  std::vector<std::string> args = Args(4, 16);
+  args[13] = dir_ / "./o.npy";  // --selected, spelled differently
+  RunFails(args, 2, "name the same file");
+  args = Args(4, 16);
+  args[11] = K();  // --output over the keys
+  RunFails(args, 2, "--output '" + K() + "' and --keys");
+  args = Args(4, 16);
+  args[13] = Q();  // --selected over the query
+  RunFails(args, 2, "and --query");
+  std::filesystem::create_symlink(V(), dir_ / "v_link.npy");
+  args = Args(4, 16);
+  args[11] = dir_ / "v_link.npy";  // the values through a link
+  RunFails(args, 2, "and --values");
+  EXPECT_EQ(test::ReadBytes(K()), k_before);
+  ASSERT_TRUE(ReadNpy(Q()).ok());
+  ASSERT_TRUE(ReadNpy(V()).ok());
+  EXPECT_EQ(Attend(Args(4, 16)).code, 0);
+}
+
 }  // namespace
 }  // namespace questkv
