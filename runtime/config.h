@@ -129,10 +129,29 @@ struct Config {
   // Per (sequence, layer, KV head) and step, the best-ranked pages just
   // outside the selection are promoted from disk ahead of need.
   int prefetch_pages = 4;
-  // CUDA backend: a decode step whose shape repeats is replayed from a
-  // captured CUDA graph (one launch) instead of ~20 launches; steps that
-  // wait for the host (cold misses under strict) always launch directly.
+  // CUDA backend tuning. The defaults are the measured best; each switch
+  // exists to measure the alternative with the same binary.
+  // A decode step whose shape repeats is replayed from a captured CUDA graph
+  // (one launch) instead of ~20 launches; steps that wait for the host (cold
+  // misses under strict) always launch directly.
   bool cuda_graphs = true;
+  // A step's kernels chained by programmatic dependent launch (each may start
+  // while its predecessor drains).
+  bool cuda_chain_kernels = true;
+  // The first 16 MiB of a call's misses staged into HBM by the resolve while
+  // it chooses victims.
+  bool cuda_stage_misses = true;
+  // Misses past the staging fetched by the attention kernel itself (their
+  // PCIe round trips overlap its reads of the hits); false: by the
+  // resolve's own gather kernel before the attention.
+  bool cuda_fill_in_attention = true;
+  // Long rows' top-K in one launch when the grid is resident; true: always
+  // split into launches (the one-launch kernel's blocks wait for each other,
+  // which another stream holding SMs could stall).
+  bool cuda_split_long_rows = false;
+  // Host-side time of each decode step's phases, printed to stderr when the
+  // runtime is destroyed.
+  bool cuda_profile_host = false;
 
   Status Validate() const;
 };

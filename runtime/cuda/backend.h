@@ -1,0 +1,478 @@
+// The CUDA backend (DESIGN.md §4, §7): the DataPlane (runtime/backend.h) the
+// runtime hands to the GPU when Config::backend is kCuda. Policy stays in the
+// runtime —
+// PageIds, page lists, refcounts, the host and disk tiers (TierMover) — and
+// this class keeps the device side:
+//   * the slot pool (head-pages [2][S][D] in the model dtype) in device memory:
+//     per (sequence, layer) partition Hkv pinned tail slots and an LRU list of
+//     cached slots that the device resolve reorders; a few staging slots
+//     through which prefill chunks pass on their way to their host homes;
+//   * the summary slab (model dtype: exact for keys stored in it; always
+//     resident), the residency table
+//     hbm_slot[PageId][Hkv], the slot tables and host_addr[PageId] (device
+//     pointers to the pinned host homes, mirrored from TierMover's listener);
+//   * a device mirror of each partition's page list;
+// and runs append + seal copy, and the decode step select -> resolve (zero-
+// copy gather of misses, cold misses to the host) -> sparse attention.
+//
+// Each partition's list always holds at least as many slots as its sequence
+// can select in one call (DecodeStep grows it from the free pool first), so
+// the resolve never has to bypass: every selected page is attended from HBM.
+// When the pool cannot give that much, the call fails with ResourceExhausted
+// before launching anything (hbm_bytes too small for the budget and the dense
+// layers).
+//
+// Synchronisation: every call is ordered on one CUDA stream (stream()). A
+// decode step on device pointers returns as soon as it is enqueued when
+// nothing on the host has to wait for it: no disk tier (so no host home can
+// move, be reused or be freed under a kernel that reads it — without a disk
+// host homes live as long as their pages, and a freed home is only rewritten
+// by later work on the same stream), no selections asked for, no phase
+// timing. It reads nothing back: the next wait checks the device's
+// cumulative count of selected head-pages that found no slot, and such a
+// fault comes back from the next call or from Synchronize(). Every other call
+// returns with the device idle, so with a disk tier the host-side tiers may
+// move homes between calls without racing a kernel. Within a step nothing
+// waits on the host except cold misses under `strict`.
+//
+// Thread-compatible; one CUDA stream.
+//
+// Plain C++ against the CUDA runtime API; every kernel comes from kernels/cuda.
+//
+// This header is the backend's own (runtime/cuda/*.cc): its helpers and the
+// class that implements DataPlane. Files by responsibility: backend.cc
+// (device buffers, staging, table edits, counters), partitions.cc (slot
+// lists), append.cc (append, tails, reads), step_plan.cc (planning a decode
+// step), step_run.cc (enqueue, graphs, cold misses, read-back).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cuda/kernels_cuda.h"
+#include "prefetch/tier_mover.h"
+#include "runtime/backend.h"
+#include "tiers/arena.h"
+#include "tiers/page_allocator.h"
+
+namespace questkv::cuda_backend {
+
+namespace kc = kernels::cuda;
+
+static_assert(int(kc::DType::kF32) == int(DType::kF32) && int(kc::DType::kF16) == int(DType::kF16) &&
+              int(kc::DType::kBF16) == int(DType::kBF16));
+static_assert(int(kc::GqaAgg::kMax) == int(GqaMode::kMax) && int(kc::GqaAgg::kMean) == int(GqaMode::kMean) &&
+              int(kc::GqaAgg::kUnion) == int(GqaMode::kUnion));
+
+constexpr int kStagingPages = 64;  // pages a prefill chunk passes through at once
+
+inline Status CudaStatus(const char* what, cudaError_t e) {
+  std::string m = std::string(what) + ": " + cudaGetErrorString(e);
+  if (e == cudaErrorInvalidValue && !kc::LastErrorMessage().empty()) m += " (" + kc::LastErrorMessage() + ")";
+  if (e == cudaErrorMemoryAllocation) return Status::ResourceExhausted(m);
+  return Status::Internal(m);
+}
+#define QKV_CUDA(expr)                                              \
+  do {                                                              \
+    const cudaError_t qkv_e_ = (expr);                              \
+    if (qkv_e_ != cudaSuccess) return CudaStatus(#expr, qkv_e_);    \
+  } while (0)
+
+// Misses staged while the resolve chooses victims (kc::ResolveShape::
+// stage_pages; Config::cuda_stage_misses): at most this many bytes a call.
+constexpr std::size_t kStageBytes = std::size_t(16) << 20;
+
+// Bumped by every device or pinned allocation of this backend: a captured
+// step graph bakes pointers in, so a new allocation retires the graphs.
+inline uint64_t g_alloc_epoch = 0;
+
+// A device allocation that only grows. Growing frees the old block: callers
+// grow only what no queued work still reads, or synchronise first.
+class DevBuf {
+ public:
+  DevBuf() = default;
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  ~DevBuf() { cudaFree(p_); }
+  Status Reserve(std::size_t bytes) {
+    if (bytes <= n_) return Status::Ok();
+    if (p_) QKV_CUDA(cudaDeviceSynchronize());  // queued work may still read the old block
+    cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+    QKV_CUDA(cudaMalloc(&p_, bytes));
+    n_ = bytes;
+    ++g_alloc_epoch;
+    return Status::Ok();
+  }
+  template <typename T = void>
+  T* as() const { return static_cast<T*>(p_); }
+  std::size_t bytes() const { return n_; }
+
+ private:
+  void* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+inline std::size_t Align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
+
+// Selected head-pages that found no slot: the partition lists always hold a
+// step's selection, so this is a fault, never a policy outcome.
+inline Status NoSlotFault(uint64_t n) {
+  return Status::Internal(std::to_string(n) + " selected head-pages found no slot (partition lists too short)");
+}
+
+// Host-side time of DecodeStep's phases, summed; printed to stderr when the
+// backend goes when Config::cuda_profile_host is set (to see what the host
+// adds to a step).
+enum HostPhase { kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReadback, kHostPhases };
+constexpr const char* kHostPhaseNames[kHostPhases] = {"plan",   "grow lists",  "buffers",  "table flush",
+                                                      "launch", "device wait", "readback"};
+struct HostProfile {
+  double us[kHostPhases] = {};
+  int64_t calls = 0;
+  // Calls whose phase took over 100 us, and those calls' time in it: a
+  // few one-off costs (first growth, graph capture) or a steady one.
+  int64_t slow_calls[kHostPhases] = {};
+  double slow_us[kHostPhases] = {};
+};
+class HostClock {
+ public:
+  explicit HostClock(HostProfile& p) : p_(p), last_(std::chrono::steady_clock::now()) { ++p_.calls; }
+  void Mark(int phase) {
+    const auto now = std::chrono::steady_clock::now();
+    const double us = std::chrono::duration<double, std::micro>(now - last_).count();
+    p_.us[phase] += us;
+    if (us > 100) {
+      ++p_.slow_calls[phase];
+      p_.slow_us[phase] += us;
+    }
+    last_ = now;
+  }
+
+ private:
+  HostProfile& p_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+// Device counters, accumulated since creation.
+struct CudaCounters {
+  int64_t selected = 0, hits = 0, misses_host = 0, misses_disk = 0, evictions = 0, bytes_host_to_hbm = 0;
+  int64_t cold_stalls = 0, pages_skipped = 0;
+  uint64_t slots_capacity = 0, slots_used = 0, slots_peak = 0, slot_bytes = 0;
+};
+
+class CudaBackendImpl final : public DataPlane {
+ public:
+  CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
+      : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
+  ~CudaBackendImpl() override {
+    if (c_.cuda_profile_host && prof_.calls) {
+      std::string line;
+      for (int i = 0; i < kHostPhases; ++i) {
+        char part[64];
+        std::snprintf(part, sizeof(part), "%s%s %.1f (%lld over 100 us: %.0f us)", i ? ", " : "", kHostPhaseNames[i],
+                      prof_.us[i] / prof_.calls, (long long)prof_.slow_calls[i], prof_.slow_us[i]);
+        line += part;
+      }
+      std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured\n",
+                   (long long)prof_.calls, line.c_str(), (long long)graphs_captured_);
+    }
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : ev_)
+      if (e) cudaEventDestroy(e);
+    if (stage_) cudaFreeHost(stage_);
+    ClearGraphs();
+    if (io_) cudaFreeHost(io_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status Init();
+
+  Result<uint32_t> AddPartition() override;
+  void RemovePartition(uint32_t part) override;
+  void PageDied(PageId page) override {
+    clears_.push_back({nullptr, int64_t(page), kc::TableOp::kDropPage, 0});
+    if (auto it = tail_owner_.find(page); it != tail_owner_.end()) {
+      parts_[it->second].tail_page = kNoPage;  // the id may come back as anyone's page
+      tail_owner_.erase(it);
+    }
+  }
+  void SetHome(PageId page, const void* home) override {
+    const void* dev = home ? host_dev_ + (static_cast<const char*>(home) - host_base_) : nullptr;
+    Set(host_addr_.as<const void*>() + page, int64_t(reinterpret_cast<uintptr_t>(dev)), kc::TableOp::kSet64);
+  }
+  Status SetPages(uint32_t part, std::span<const PageId> pages) override;
+  Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
+                int64_t step) override;
+  Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) override;
+  Status TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) override;
+  Status TruncateTail(uint32_t part, PageId tail, int len) override;
+  Status ReadPage(uint32_t part, PageId page, void* dst, int64_t step) override {
+    if (!mover_->sealed(page)) return ReadTail(part, page, dst);
+    return mover_->ReadPage(page, ids_->generation(page), dst, step);
+  }
+  Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
+  std::size_t summary_elem_bytes() const override { return g_.summary_elem_bytes(); }
+  Status DecodeStep(const Step& s) override;
+  bool on_device() const override { return true; }
+  Status Synchronize() override {
+    QKV_RETURN_IF_ERROR(Sync());
+    return std::exchange(async_error_, Status::Ok());
+  }
+  void* stream() const override { return stream_; }
+  Result<double> TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes, int reps,
+                                  int64_t* bytes) override;
+  BackendCounters counters() override;
+
+ private:
+  // The step as RunStep takes it: the phase timings and counts to add to.
+  struct StepArgs {
+    std::span<const uint32_t> partitions;
+    std::span<const PageList* const> lists;
+    int layer = 0;
+    bool dense = false;
+    const void* q = nullptr;
+    void* out = nullptr;
+    bool host_f32 = true;
+    int64_t step = 0;
+    std::vector<PageSelection>* selections = nullptr;
+    double* select_us = nullptr;
+    double* resolve_us = nullptr;
+    double* attend_us = nullptr;
+    int64_t* selected = nullptr;
+    int64_t* graphs_captured = nullptr;
+  };
+  // What one step's functions share: its shapes, plans, header and buffers.
+  struct IoLayout {  // offsets in io_ of what a synchronous step reads back
+    std::size_t out = 0, counts = 0, totals = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+  };
+  struct StepPlan {
+    explicit StepPlan(HostProfile& prof) : clock(prof) {}
+    HostClock clock;
+    int B = 0, rows = 0, max_row = 0;
+    std::size_t qelems = 0;
+    kc::DType dt = kc::DType::kF16;
+    std::vector<int32_t> counts, last_len, page_indptr, part_indptr;  // [B], [B], [B+1], [B+1]
+    kc::SelectShape shape;
+    kc::SelectPlan splan;
+    kc::ResolvePlan rplan;
+    kc::AttendPlan aplan;
+    int64_t entries = 0;  // selection bound of the whole batch
+    bool strict = false, cold_waits = false, fill_in_attention = false;
+    bool want_sel = false, timed = false, async = false;
+    int qcap = 0;
+    std::size_t qbytes_req = 0;
+    IoLayout io;
+    std::vector<int32_t> hdr;
+    std::size_t o_sel = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
+    const int32_t* d_hdr = nullptr;
+    const uint32_t* page_ids = nullptr;
+    const void* q = nullptr;
+    kc::ResolveParams rp;
+    std::vector<kc::ResolveRequest> cold;
+    int32_t cold_count = 0;
+  };
+  Status RunStep(const StepArgs& s);
+  Status PlanStep(const StepArgs& s, StepPlan& p);
+  Status GrowLists(const StepArgs& s, StepPlan& p);
+  Status PlanResolveAndAttend(const StepArgs& s, StepPlan& p);
+  Status ReserveStepBuffers(const StepArgs& s, StepPlan& p);
+  void PackHeader(const StepArgs& s, StepPlan& p);
+  kc::ResolveParams ResolveParamsFor(const StepArgs& s, const StepPlan& p);
+  Status ReadCold(StepPlan& p, int32_t n);
+  Status SettleCold(const StepArgs& s, StepPlan& p);
+  Status Enqueue(const StepArgs& s, StepPlan& p, bool capturing);
+  Status Launch(const StepArgs& s, StepPlan& p);
+  Status ReadBack(const StepArgs& s, StepPlan& p);
+  Status NoteSelections(const StepArgs& s, StepPlan& p);
+  Status ReadTail(uint32_t part, PageId tail, void* dst);
+  CudaCounters device_counters();
+  struct Partition {
+    bool live = false;
+    std::vector<int32_t> tail;       // [Hkv] pinned slots of the page being filled
+    PageId tail_page = kNoPage;      // the page whose head-pages the tail slots hold
+    std::vector<int32_t> owned;      // the list's slots, as a set (order lives on the device)
+    DevBuf list;                     // [owned.size()] LRU first, reordered by the resolve
+    DevBuf pages;                    // device mirror of the page list
+    int64_t pages_len = 0;
+    int64_t last_need = 0;           // slots its last step could select: what it keeps
+  };
+
+  std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
+  // Summaries are kept in the model dtype: the min and max of keys stored in
+  // that dtype are values of it, so nothing is rounded and scores (computed
+  // in f32) are the same bits as from f32 summaries — at half the bytes the
+  // select reads, for f16/bf16. Or as E4M3 codes rounded outward, half again.
+  bool e4m3() const { return g_.e4m3_summaries(); }
+  kc::DType sum_dtype() const { return e4m3() ? kc::DType::kE4M3 : kc::DType(g_.dtype); }
+  std::size_t summary_bytes() const { return g_.summary_elems() * g_.summary_elem_bytes(); }
+  char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
+  int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
+  void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }
+
+  // Table edits, applied in order of FlushUpdates: every clear, then every
+  // set (the last set of an address wins).
+  void Set(const void* addr, int64_t value, kc::TableOp op) {
+    auto [it, fresh] = set_index_.try_emplace(addr, sets_.size());
+    if (fresh) {
+      sets_.push_back({const_cast<void*>(addr), value, op, 0});
+    } else {
+      sets_[it->second] = {const_cast<void*>(addr), value, op, 0};
+    }
+  }
+  void SetSlot(int32_t s, PageId page, int h) {
+    Set(hbm_cell(page, h), s, kc::TableOp::kSet32);
+    Set(slot_page_.as<uint32_t>() + s, int64_t(page), kc::TableOp::kSet32);
+    Set(slot_head_.as<int32_t>() + s, h, kc::TableOp::kSet32);
+  }
+  Status FlushUpdates();
+  void* StageAlloc(std::size_t bytes);        // pinned, mapped; valid until the next Sync
+  void* StageDev(const void* p) const { return stage_dev_ + (static_cast<const char*>(p) - stage_); }
+  Status Upload(void* dev_dst, const void* src, std::size_t bytes);  // via the stage
+  // Waits for the stream; after asynchronous steps, checks the device's
+  // cumulative bypass count (a fault is kept in async_error_); resets the
+  // staging.
+  Status Sync();
+  Status GrowPages(Partition& P, int64_t len);
+  Status GrowList(uint32_t part);  // to its last_need, and toward its Target
+  Status Shrink(uint32_t part, int64_t k);
+  // Frees slots until `want` are free (at least `must`), taking from lists
+  // other than `except`.
+  Status Reclaim(int64_t must, int64_t want, uint32_t except);
+  // An equal share of the pool's slots among live lists, and the slots a
+  // list aims to hold with it (see GrowList).
+  int64_t Share() const;
+  static int64_t Target(const Partition& P, int64_t share) {
+    return std::max(P.last_need, std::min(4 * P.last_need, share));
+  }
+  Status ExtendList(uint32_t part, const std::vector<int32_t>& slots);
+  Status AssignTail(uint32_t part, PageId page);
+  Status RebuildSummary(const void* k_heads_host, PageId page, int len);
+  Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
+                           const void* v);
+  Status ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out, const void** dev);
+  // What one append's functions share.
+  struct AppendPlan {
+    struct Sealing {
+      PageId page;
+      int64_t logical;
+      void* home;
+    };
+    const void* k = nullptr;
+    const void* v = nullptr;
+    bool host_f32 = true;
+    int64_t old_tokens = 0, end = 0, old_pages = 0, total_pages = 0;
+    int64_t t = 0;                    // next token to write
+    std::vector<PageId> fresh;        // ids of the pages this call adds
+    std::vector<Sealing> sealing;     // pages this call fills, with their homes
+    std::size_t next_seal = 0;
+    std::unordered_map<PageId, std::size_t> resident_at;  // page -> its Hkv slots in `resident`
+    std::vector<int32_t> resident;
+  };
+  Status ReserveAppend(const PageList& list, int64_t step, AppendPlan& a);
+  Status SealThrough(const Partition& P, AppendPlan& a, int64_t last_logical, int64_t first_staged);
+  Status AppendRows(const AppendPlan& a, int64_t t0, int64_t t1, const void** kd, const void** vd);
+  Status AppendToOldTail(Partition& P, AppendPlan& a);
+  Status AppendFreshPages(uint32_t part, AppendPlan& a);
+
+  Config c_;
+  Geometry g_;
+  PageAllocator* ids_;
+  TierMover* mover_;
+  SlotArena* host_;
+  const char* host_base_ = nullptr;
+  char* host_dev_ = nullptr;
+  int sms_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev_[4] = {};
+
+  // Device state.
+  DevBuf pool_, summaries_, hbm_slot_, host_addr_, slot_page_, slot_head_, slot_last_use_, slot_pinned_;
+  DevBuf counters_, scratch_counters_;
+  int64_t slots_ = 0;
+  std::vector<int32_t> free_;     // free slots (not staging, not in any partition)
+  std::vector<int32_t> staging_;  // [kStagingPages][Hkv]
+  uint64_t slots_peak_ = 0;
+  std::vector<Partition> parts_;
+  std::vector<uint32_t> free_parts_;
+  int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
+  HostProfile prof_;
+
+  // Per-call buffers.
+  DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_;
+  std::size_t att_ws_zeroed_ = 0;
+
+  // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
+  char* stage_ = nullptr;
+  char* stage_dev_ = nullptr;
+  std::size_t stage_cap_ = 0, stage_used_ = 0;
+  // Asynchronous steps since the last wait, and the bypasses counted by then:
+  // a selected head-page without a slot is a fault (the lists always hold a
+  // step's selection), reported from the next call or Synchronize().
+  bool unchecked_async_ = false;
+  uint64_t bypasses_seen_ = 0;
+  Status async_error_;  // the first such fault, until returned
+
+  Status ReserveIo(std::size_t bytes) {
+    if (bytes <= io_cap_) return Status::Ok();
+    QKV_RETURN_IF_ERROR(Sync());
+    if (io_) cudaFreeHost(io_);
+    io_ = nullptr;
+    io_cap_ = std::max(bytes, 2 * io_cap_);
+    QKV_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&io_), io_cap_, cudaHostAllocPortable));
+    ++g_alloc_epoch;
+    return Status::Ok();
+  }
+  // The instantiated graph of a step shape, captured by `enqueue` on first use.
+  Result<cudaGraphExec_t> GraphFor(const std::vector<int64_t>& key, const std::function<Status()>& enqueue) {
+    if (graphs_epoch_ != g_alloc_epoch || graphs_.size() > 512) {
+      ClearGraphs();
+      graphs_epoch_ = g_alloc_epoch;
+    }
+    if (auto it = graphs_.find(key); it != graphs_.end()) return it->second;
+    cudaGraph_t graph = nullptr;
+    QKV_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    const Status st = enqueue();
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    QKV_RETURN_IF_ERROR(st);
+    QKV_CUDA(end);
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    QKV_CUDA(inst);
+    ++graphs_captured_;
+    graphs_[key] = exec;
+    return exec;
+  }
+  void ClearGraphs() {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+  }
+
+  char* io_ = nullptr;       // pinned
+  std::size_t io_cap_ = 0;
+  std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
+  uint64_t graphs_epoch_ = 0;
+  int64_t graphs_captured_ = 0;
+  std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
+  std::vector<kc::TableUpdate> clears_, sets_;
+  std::unordered_map<const void*, std::size_t> set_index_;
+};
+
+}  // namespace questkv::cuda_backend

@@ -1,0 +1,262 @@
+// The CUDA backend's decode step: the entry point and its host-side plan
+// (shapes, lists grown, buffers, header, resolve parameters).
+#include "runtime/cuda/backend.h"
+
+namespace questkv::cuda_backend {
+
+// ---- the decode step ---------------------------------------------------------------
+
+Status CudaBackendImpl::DecodeStep(const Step& st) {
+  for (std::size_t i = 0; i < st.partitions.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (st.partitions[i] == st.partitions[j])
+        return Status::InvalidArgument("the CUDA backend needs distinct sequences in a batch");
+  if (st.dense && c_.cold_miss != ColdMissPolicy::kStrict && mover_->has_disk())
+    return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
+  StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections};
+  AttendStats* stats = st.stats;
+  int64_t selected = 0;
+  if (stats && stats->time_phases) {
+    a.select_us = &stats->select_us;
+    a.resolve_us = &stats->resolve_us;
+    a.attend_us = &stats->attend_us;
+  }
+  a.selected = &selected;
+  if (stats) a.graphs_captured = &stats->graphs_captured;
+  QKV_RETURN_IF_ERROR(RunStep(a));
+  if (!stats) return Status::Ok();
+  const int64_t pages_budget = c_.policy.page_budget(st.layer, g_.page_size);
+  stats->head_pages_selected += selected;
+  for (const PageList* l : st.lists) {
+    const int64_t pages = int64_t(l->pages.size());
+    stats->head_pages_total += pages * g_.kv_heads;
+    if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages)
+      stats->summary_bytes_read += pages * int64_t(summary_bytes());
+  }
+  // Whole head-pages (a tail is counted whole): what the kernel reads.
+  stats->kv_bytes_read += selected * int64_t(2 * piece());
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::RunStep(const StepArgs& s) {
+  if (!async_error_.ok()) return std::exchange(async_error_, Status::Ok());
+  StepPlan p(prof_);
+  QKV_RETURN_IF_ERROR(PlanStep(s, p));
+  QKV_RETURN_IF_ERROR(GrowLists(s, p));
+  QKV_RETURN_IF_ERROR(PlanResolveAndAttend(s, p));
+  QKV_RETURN_IF_ERROR(ReserveStepBuffers(s, p));
+  PackHeader(s, p);
+  QKV_RETURN_IF_ERROR(header_.Reserve(p.hdr.size() * 4));
+  p.d_hdr = header_.as<int32_t>();
+  p.clock.Mark(kBuffers);  // and the resolve/attend plans, the header, pinned io
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  p.clock.Mark(kFlush);
+  p.q = s.host_f32 ? (g_.dtype == DType::kF32 ? q_f32_.as() : q_.as()) : s.q;
+  p.rp = ResolveParamsFor(s, p);
+  QKV_RETURN_IF_ERROR(Launch(s, p));
+  if (p.async) {
+    unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
+    if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
+    p.clock.Mark(kLaunch);
+    return Status::Ok();
+  }
+  QKV_RETURN_IF_ERROR(ReadBack(s, p));
+  QKV_RETURN_IF_ERROR(NoteSelections(s, p));
+  p.clock.Mark(kReadback);  // selections, timings, host queues
+  return Status::Ok();
+}
+
+// Host-only plans: the batch's page counts, the select plan and each row's
+// selection bound.
+Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
+  const int B = int(s.lists.size()), H = g_.kv_heads, S = g_.page_size;
+  p.B = B;
+  p.rows = B * H;
+  p.qelems = std::size_t(B) * g_.q_heads * g_.head_dim;
+  p.dt = kc::DType(g_.dtype);
+  p.counts.resize(B);
+  p.last_len.resize(B);
+  p.page_indptr.assign(B + 1, 0);
+  for (int b = 0; b < B; ++b) {
+    p.counts[b] = int32_t(s.lists[b]->pages.size());
+    p.last_len[b] = s.lists[b]->last_page_len(S);
+    p.page_indptr[b + 1] = p.page_indptr[b] + p.counts[b];
+  }
+  kc::SelectShape& shape = p.shape;
+  shape.batch = B;
+  shape.kv_heads = H;
+  shape.group = g_.group();
+  shape.head_dim = g_.head_dim;
+  shape.page_size = S;
+  shape.page_budget = c_.policy.page_budget(s.layer, S);
+  shape.sink_pages = c_.policy.sink_pages;
+  shape.local_pages = c_.policy.local_pages;
+  shape.gqa = kc::GqaAgg(c_.policy.gqa);
+  shape.dense = s.dense || c_.policy.is_dense(s.layer);
+  std::string err;
+  if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);
+  p.entries = p.splan.out_indptr[p.rows];
+  p.max_row = 0;
+  for (int r = 0; r < p.rows; ++r)
+    p.max_row = std::max(p.max_row, p.splan.out_indptr[r + 1] - p.splan.out_indptr[r]);
+  return Status::Ok();
+}
+
+// Each partition's list holds at least what its sequence may select. (Needs
+// first: a list grown here may lend only beyond its own need.)
+Status CudaBackendImpl::GrowLists(const StepArgs& s, StepPlan& p) {
+  const int B = p.B, H = g_.kv_heads;
+  const std::vector<int32_t>& sel_indptr = p.splan.out_indptr;
+  std::vector<int64_t> prev_need(B);
+  for (int b = 0; b < B; ++b) {
+    prev_need[b] = parts_[s.partitions[b]].last_need;
+    parts_[s.partitions[b]].last_need = sel_indptr[(b + 1) * H] - sel_indptr[b * H];
+  }
+  p.clock.Mark(kPlan);
+  for (int b = 0; b < B; ++b) {
+    if (Status st = GrowList(s.partitions[b]); !st.ok()) {
+      for (int i = 0; i < B; ++i) parts_[s.partitions[i]].last_need = prev_need[i];  // as before the call
+      return st;
+    }
+  }
+  p.clock.Mark(kGrow);
+  p.part_indptr.assign(B + 1, 0);
+  for (int b = 0; b < B; ++b) p.part_indptr[b + 1] = p.part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
+  p.strict = c_.cold_miss == ColdMissPolicy::kStrict;
+  p.cold_waits = p.strict && mover_->has_disk();
+  // The attention fetches the misses itself (their PCIe round trips overlap
+  // its reads of the hits), unless a strict step resolves twice: its first
+  // resolve's fills must land before the second classifies them as hits.
+  p.fill_in_attention = !p.cold_waits && c_.cuda_fill_in_attention;
+  // The first misses of a call (up to kStageBytes of head-pages; a recent
+  // query's ~55 a layer, a topic query's ~850) are fetched while the victims
+  // are chosen; the attention reads any beyond from their homes.
+  const int stage_pages = c_.cuda_stage_misses ? int(kStageBytes / (2 * piece())) : 0;
+  const kc::ResolveShape rshape{p.B, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
+                                p.strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline, p.fill_in_attention,
+                                stage_pages};
+  // The gather on every SM: within a step nothing runs beside it (the
+  // attention waits for it), so the half-grid default, which leaves SMs to
+  // work on other streams, would only slow it.
+  std::string err;
+  if (!kc::PlanResolve(rshape, p.entries, p.part_indptr[p.B], sms_, sms_, &p.rplan, &err))
+    return Status::InvalidArgument(err);
+  if (!kc::PlanAttend(kc::AttendShape{p.rows, g_.kv_heads, g_.group(), g_.head_dim, g_.page_size, p.dt},
+                      std::max(p.max_row, 1), sms_, &p.aplan, &err))
+    return Status::InvalidArgument(err);
+  // The mover counts selections for its demotion order; a dense layer's are
+  // every page, known here without reading 4 bytes per head-page back.
+  p.want_sel = s.selections || (mover_->has_disk() && !p.shape.dense);
+  // A step whose phases are to be timed is launched directly (see Launch).
+  p.timed = s.select_us || s.resolve_us || s.attend_us;
+  // Nothing on the host waits for this step: it returns once enqueued (see
+  // the header: without a disk tier no host home moves under it).
+  p.async = !s.host_f32 && !p.want_sel && !p.timed && !mover_->has_disk();
+  return Status::Ok();
+}
+
+// Device buffers for this shape, and the pinned area a synchronous step
+// reads back into: f32 out, the cold-miss count, the cumulative counters and
+// the selection.
+Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
+  const std::size_t qbytes = p.qelems * DTypeBytes(g_.dtype);
+  QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
+  QKV_RETURN_IF_ERROR(o_.Reserve(qbytes));
+  QKV_RETURN_IF_ERROR(sel_pages_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(sel_count_.Reserve(p.rows * 4));
+  QKV_RETURN_IF_ERROR(res_count_.Reserve(p.rows * 4));
+  p.qcap = int(std::max<int64_t>(p.entries, 1));
+  p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
+  QKV_RETURN_IF_ERROR(queues_.Reserve(2 * p.qbytes_req + 256));
+  QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>(p.splan.workspace_bytes, 1)));
+  QKV_RETURN_IF_ERROR(res_ws_.Reserve(std::max<std::size_t>(p.rplan.workspace_bytes, 1)));
+  if (att_ws_.bytes() < p.aplan.workspace_bytes) {
+    QKV_RETURN_IF_ERROR(Sync());
+    QKV_RETURN_IF_ERROR(att_ws_.Reserve(p.aplan.workspace_bytes));
+    att_ws_zeroed_ = 0;
+  }
+  if (att_ws_zeroed_ < att_ws_.bytes()) {
+    QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, att_ws_.bytes(), stream_));
+    att_ws_zeroed_ = att_ws_.bytes();
+  }
+  IoLayout& io = p.io;
+  io.out = 0;
+  io.counts = io.out + Align256(s.host_f32 ? p.qelems * 4 : 0);
+  io.totals = io.counts + 256;
+  io.sel_pages = io.totals + Align256(sizeof(kc::ResolveCounters));
+  io.sel_count = io.sel_pages + Align256(p.want_sel ? p.entries * 4 : 0);
+  io.bytes = io.sel_count + Align256(p.want_sel ? p.rows * 4 : 0);
+  if (!p.async) QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
+  // Page ids: one sequence reads its mirror in place; a batch is copied together.
+  p.page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
+  if (p.B > 1) {
+    QKV_RETURN_IF_ERROR(batch_pages_.Reserve(std::size_t(p.page_indptr[p.B]) * 4));
+    p.page_ids = batch_pages_.as<uint32_t>();
+  }
+  if (s.host_f32) {
+    QKV_RETURN_IF_ERROR(q_f32_.Reserve(p.qelems * 4));
+    if (g_.dtype != DType::kF32) QKV_RETURN_IF_ERROR(o_f32_.Reserve(p.qelems * 4));
+  }
+  return Status::Ok();
+}
+
+// Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] |
+// last_len [B] | part_lists [B] (pointers) | step (int64).
+void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
+  std::vector<int32_t>& hdr = p.hdr;
+  hdr.assign(p.page_indptr.begin(), p.page_indptr.end());
+  p.o_sel = hdr.size();
+  hdr.insert(hdr.end(), p.splan.out_indptr.begin(), p.splan.out_indptr.end());
+  p.o_part = hdr.size();
+  hdr.insert(hdr.end(), p.part_indptr.begin(), p.part_indptr.end());
+  p.o_last = hdr.size();
+  hdr.insert(hdr.end(), p.last_len.begin(), p.last_len.end());
+  if (hdr.size() % 2) hdr.push_back(0);
+  p.o_lists = hdr.size();
+  hdr.resize(hdr.size() + 2 * p.B + 2);
+  for (int b = 0; b < p.B; ++b) {
+    int32_t* list = parts_[s.partitions[b]].list.as<int32_t>();
+    std::memcpy(hdr.data() + p.o_lists + 2 * b, &list, sizeof(list));
+  }
+  p.o_step = p.o_lists + 2 * p.B;
+  std::memcpy(hdr.data() + p.o_step, &s.step, sizeof(int64_t));
+}
+
+kc::ResolveParams CudaBackendImpl::ResolveParamsFor(const StepArgs& s, const StepPlan& p) {
+  char* qb = queues_.as<char>();
+  kc::ResolveParams rp;
+  rp.step = s.step;
+  rp.step_ptr = reinterpret_cast<const int64_t*>(p.d_hdr + p.o_step);
+  rp.page_indptr = p.d_hdr;
+  rp.page_ids = p.page_ids;
+  rp.sel_indptr = p.d_hdr + p.o_sel;
+  rp.sel_count = sel_count_.as<int32_t>();
+  rp.sel_pages = sel_pages_.as<int32_t>();
+  rp.host_addr = host_addr_.as<const void* const>();
+  rp.hbm_slot = hbm_slot_.as<int32_t>();
+  rp.slot_page = slot_page_.as<uint32_t>();
+  rp.slot_head = slot_head_.as<int32_t>();
+  rp.slot_last_use = slot_last_use_.as<int64_t>();
+  rp.slot_pinned = slot_pinned_.as<uint8_t>();
+  rp.part_indptr = p.d_hdr + p.o_part;
+  rp.part_lists = reinterpret_cast<int32_t* const*>(p.d_hdr + p.o_lists);
+  rp.slots = pool_.as();
+  rp.out_slots = res_slots_.as<int32_t>();
+  rp.out_count = res_count_.as<int32_t>();
+  rp.cold = reinterpret_cast<kc::ResolveRequest*>(qb);
+  rp.bypass = reinterpret_cast<kc::ResolveRequest*>(qb + p.qbytes_req);
+  rp.cold_count = reinterpret_cast<int32_t*>(qb + 2 * p.qbytes_req);
+  rp.bypass_count = rp.cold_count + 1;
+  rp.queue_capacity = p.qcap;
+  rp.counters = counters_.as<kc::ResolveCounters>();
+  rp.workspace = res_ws_.as();
+  return rp;
+}
+
+
+}  // namespace questkv::cuda_backend

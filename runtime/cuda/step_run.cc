@@ -1,0 +1,213 @@
+// The CUDA backend's decode step: enqueue (direct or from a graph), cold
+// misses under strict, read-back and selections.
+#include "runtime/cuda/backend.h"
+
+#include <cmath>
+
+namespace questkv::cuda_backend {
+
+// The first n cold-miss requests into p.cold (n: the device's count, read back).
+Status CudaBackendImpl::ReadCold(StepPlan& p, int32_t n) {
+  p.cold.resize(std::clamp(n, 0, p.qcap));
+  if (!p.cold.empty()) {
+    QKV_CUDA(cudaMemcpyAsync(p.cold.data(), p.rp.cold, p.cold.size() * sizeof(kc::ResolveRequest),
+                             cudaMemcpyDeviceToHost, stream_));
+    QKV_RETURN_IF_ERROR(Sync());
+  }
+  return Status::Ok();
+}
+
+// Cold misses under strict: promote, publish, resolve again (hits stay
+// hits). The re-runs count on scratch counters; only their traffic is kept.
+Status CudaBackendImpl::SettleCold(const StepArgs& s, StepPlan& p) {
+  for (int round = 0;; ++round) {
+    int32_t n = 0;
+    QKV_CUDA(cudaMemcpyAsync(&n, p.rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_RETURN_IF_ERROR(Sync());
+    QKV_RETURN_IF_ERROR(ReadCold(p, n));
+    if (p.cold.empty()) return Status::Ok();
+    if (round > 64) return Status::Internal("cold misses do not settle");
+    // Every read in flight before waiting for any.
+    for (const kc::ResolveRequest& r : p.cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
+    for (const kc::ResolveRequest& r : p.cold)
+      QKV_RETURN_IF_ERROR(mover_->EnsureHost(r.page, ids_->generation(r.page), s.step));
+    QKV_RETURN_IF_ERROR(FlushUpdates());
+    QKV_CUDA(cudaMemsetAsync(scratch_counters_.as(), 0, scratch_counters_.bytes(), stream_));
+    kc::ResolveParams again = p.rp;
+    again.counters = scratch_counters_.as<kc::ResolveCounters>();
+    QKV_CUDA(kc::LaunchResolve(p.rplan, again, stream_));
+    kc::ResolveCounters sc;
+    QKV_CUDA(cudaMemcpyAsync(&sc, scratch_counters_.as(), sizeof(sc), cudaMemcpyDeviceToHost, stream_));
+    QKV_RETURN_IF_ERROR(Sync());
+    extra_bytes_ += int64_t(sc.bytes_host_to_hbm);
+    extra_evictions_ += int64_t(sc.evictions);
+  }
+}
+
+// The step's device work: select -> resolve -> attend, with the batch's page
+// ids gathered and q and out converted. Captured once per shape and replayed
+// when graphs are on and nothing in it waits for the host. Inputs (header,
+// host q) go up before it from the staging, readbacks are enqueued after it:
+// a graph holds no per-call host address.
+Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) {
+  if (p.B > 1)
+    for (int b = 0; b < p.B; ++b)
+      QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + p.page_indptr[b], parts_[s.partitions[b]].pages.as(),
+                               std::size_t(p.counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
+  if (s.host_f32 && g_.dtype != DType::kF32)
+    QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), p.dt, p.qelems, stream_));
+  // Phase timing only when launched directly: cudaEventElapsedTime refuses
+  // events recorded by a graph's nodes (cudaErrorInvalidValue).
+  if (p.timed) QKV_CUDA(cudaEventRecord(ev_[0], stream_));
+  kc::SelectParams sp;
+  sp.shape = p.shape;
+  sp.q_dtype = p.dt;
+  sp.summary_dtype = sum_dtype();
+  sp.q = p.q;
+  sp.summaries = summaries_.as();
+  sp.page_indptr = p.d_hdr;
+  sp.page_ids = p.page_ids;
+  sp.out_indptr = p.d_hdr + p.o_sel;
+  sp.out_pages = sel_pages_.as<int32_t>();
+  sp.out_count = sel_count_.as<int32_t>();
+  sp.workspace = sel_ws_.as();
+  QKV_CUDA(kc::LaunchSelect(p.splan, sp, stream_));
+  if (p.timed) QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+  QKV_CUDA(kc::LaunchResolve(p.rplan, p.rp, stream_));
+  if (!capturing && p.cold_waits) QKV_RETURN_IF_ERROR(SettleCold(s, p));
+  if (p.timed) QKV_CUDA(cudaEventRecord(ev_[2], stream_));
+  kc::AttendParams ap;
+  ap.scale = 1.f / std::sqrt(float(g_.head_dim));
+  ap.q = p.q;
+  ap.slots = pool_.as();
+  ap.indptr = p.d_hdr + p.o_sel;
+  ap.count = res_count_.as<int32_t>();
+  ap.slot_ids = res_slots_.as<int32_t>();
+  ap.last_len = p.d_hdr + p.o_last;
+  ap.o = s.host_f32 ? o_.as() : s.out;
+  ap.workspace = att_ws_.as();
+  const kc::ResolveFillList fills = kc::ResolveFills(p.rplan, res_ws_.as());
+  if (p.fill_in_attention) ap.fills = fills.jobs;
+  if (const cudaError_t e = kc::RunAttend(p.aplan, ap, stream_); e != cudaSuccess) {
+    // The resolve named slots for the misses: they get their bytes anyway.
+    if (p.fill_in_attention) kc::LaunchGather(fills.jobs, fills.count, piece(), sms_, stream_);
+    return CudaStatus("RunAttend", e);
+  }
+  if (p.timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
+  if (s.host_f32 && g_.dtype != DType::kF32)
+    QKV_CUDA(kc::LaunchConvert(o_.as(), p.dt, o_f32_.as(), kc::DType::kF32, p.qelems, stream_));
+  return Status::Ok();
+}
+
+// Inputs up, then the step: replayed from its graph, or launched directly
+// when it waits for the host or is timed.
+Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
+  QKV_RETURN_IF_ERROR(Upload(header_.as(), p.hdr.data(), p.hdr.size() * 4));
+  if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, p.qelems * 4));
+  if (!c_.cuda_graphs || p.cold_waits || p.timed) return Enqueue(s, p, false);
+  // Everything a captured step bakes in: shapes, buffers, pointers.
+  std::vector<int64_t> key = {p.B, p.shape.dense, p.shape.page_budget, s.host_f32,
+                              int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
+                              int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
+  for (int b = 0; b < p.B; ++b) {
+    key.push_back(s.partitions[b]);
+    key.push_back(p.counts[b]);
+    key.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
+    key.push_back(p.part_indptr[b + 1] - p.part_indptr[b]);
+  }
+  const int64_t captured = graphs_captured_;
+  QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(key, [&] { return Enqueue(s, p, true); }));
+  if (s.graphs_captured) *s.graphs_captured += graphs_captured_ - captured;
+  QKV_CUDA(cudaGraphLaunch(exec, stream_));
+  return Status::Ok();
+}
+
+// A synchronous step's outputs, counts and selection back to the host, then
+// its bypass check and phase timings.
+Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
+  const IoLayout& io = p.io;
+  if (s.host_f32)
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.out, g_.dtype != DType::kF32 ? o_f32_.as() : o_.as(), p.qelems * 4,
+                             cudaMemcpyDeviceToHost, stream_));
+  QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, p.rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
+  QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
+                           stream_));
+  if (p.want_sel) {
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), p.entries * 4, cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), p.rows * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  p.clock.Mark(kLaunch);
+  unchecked_async_ = false;  // checked below, from the counters read back with the outputs
+  QKV_RETURN_IF_ERROR(Sync());
+  p.clock.Mark(kDeviceWait);
+  if (s.host_f32) std::memcpy(s.out, io_ + io.out, p.qelems * 4);
+  std::memcpy(&p.cold_count, io_ + io.counts, sizeof(p.cold_count));
+  // Bypasses since the last check: this step's and any earlier asynchronous
+  // step's, reported now.
+  kc::ResolveCounters totals;
+  std::memcpy(&totals, io_ + io.totals, sizeof(totals));
+  const uint64_t bypassed = totals.bypasses - bypasses_seen_;
+  bypasses_seen_ = totals.bypasses;
+  if (bypassed > 0) return NoSlotFault(bypassed);
+  if (p.timed) {
+    float a = 0, b = 0, c = 0;
+    QKV_CUDA(cudaEventElapsedTime(&a, ev_[0], ev_[1]));
+    QKV_CUDA(cudaEventElapsedTime(&b, ev_[1], ev_[2]));
+    QKV_CUDA(cudaEventElapsedTime(&c, ev_[2], ev_[3]));
+    if (s.select_us) *s.select_us += 1e3 * a;
+    if (s.resolve_us) *s.resolve_us += 1e3 * b;
+    if (s.attend_us) *s.attend_us += 1e3 * c;
+  }
+  return Status::Ok();
+}
+
+// The selections read back (read in place: io_ stays put until the next
+// step) to the caller and to the mover's demotion order; under deadline the
+// pages attended without start their promotion now.
+Status CudaBackendImpl::NoteSelections(const StepArgs& s, StepPlan& p) {
+  const int H = g_.kv_heads;
+  const std::vector<int32_t>& sel_indptr = p.splan.out_indptr;
+  const int32_t* sel_pages = reinterpret_cast<const int32_t*>(io_ + p.io.sel_pages);
+  const int32_t* sel_count = reinterpret_cast<const int32_t*>(io_ + p.io.sel_count);
+  // A page is noted once per call: a row selecting every page notes them all,
+  // so the other rows of its sequence need not (NoteSelected is idempotent
+  // within a step, but at 1M tokens a dense layer's 8 rows were 524K scattered
+  // writes a call).
+  const bool note = mover_->has_disk();
+  if (p.want_sel) {
+    if (s.selections) s.selections->resize(p.B);
+    for (int b = 0; b < p.B; ++b) {
+      const PageList& list = *s.lists[b];
+      PageSelection* out = s.selections ? &(*s.selections)[b] : nullptr;
+      if (out) {
+        out->indptr.assign(1, 0);
+        out->pages.clear();
+      }
+      bool noted_all = false;
+      for (int h = 0; h < H; ++h) {
+        const int r = b * H + h;
+        const int n = std::min(sel_count[r], sel_indptr[r + 1] - sel_indptr[r]);
+        const int32_t* row = sel_pages + sel_indptr[r];
+        if (out) out->pages.insert(out->pages.end(), row, row + n);
+        if (note && !noted_all) {
+          for (int i = 0; i < n; ++i) mover_->NoteSelected(list.pages[row[i]], s.step);
+          noted_all = n == p.counts[b];
+        }
+        if (s.selected) *s.selected += n;
+        if (out) out->indptr.push_back(int32_t(out->pages.size()));
+      }
+    }
+  } else {
+    if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
+    if (note)  // a dense layer (see want_sel): every page of every sequence
+      for (int b = 0; b < p.B; ++b)
+        for (PageId page : s.lists[b]->pages) mover_->NoteSelected(page, s.step);
+  }
+  if (!p.strict && mover_->has_disk() && p.cold_count > 0) {
+    QKV_RETURN_IF_ERROR(ReadCold(p, p.cold_count));
+    for (const kc::ResolveRequest& r : p.cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
+  }
+  return Status::Ok();
+}
+
+}  // namespace questkv::cuda_backend
