@@ -1,4 +1,5 @@
 // questkv run: flag parsing and output for the main job (run_job.h).
+#include <algorithm>
 #include <cstdio>
 
 #include "runtime/cli/commands.h"
@@ -24,15 +25,75 @@ constexpr const char* kUsage =
     "workload:  --workload structured|gaussian [structured] --seed 1 --context 32768\n"
     "           --steps 64 --batch 1 (sequence b holds context-7b tokens)\n"
     "policy:    --token-budget 1024 --sink-pages 1 --local-pages 8 --gqa max|mean|union [max]\n"
-    "           --dense-layers 0,1 (or 'none') --layer-budgets B0,B1,... (-1 = --token-budget)\n"
+    "           --dense-layers L0,L1,... (or 'none') [0,1: the first two layers, fewer so that one\n"
+    "           stays sparse (0 at --layers 2, none at --layers 1)]\n"
+    "           --layer-budgets B0,B1,... (one a layer; -1 = --token-budget)\n"
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
     "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
-    "report:    --recall-every 8 (0: no recall) --recall-layers L0,L1,... [every sparse layer] --top-r 16\n"
+    "report:    --recall-every 8 (0: no recall) --recall-layers L0,L1,... [every sparse layer]\n"
+    "           --top-r 16 (at most the shortest sequence's tokens when first diagnosed:\n"
+    "           --context - 7(batch-1) + 1; unset, it is clipped to that)\n"
     "           --json --no-progress\n"
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
     "           --metrics-linger-ms MS (keep serving after the run)\n";
+
+// The first min(2, layers - 1) layers: dense as in Quest, but one layer
+// always stays sparse, so a small --layers still runs the selection.
+std::vector<int64_t> DefaultDenseLayers(int layers) {
+  std::vector<int64_t> dense;
+  for (int l = 0; l < std::min(2, layers - 1); ++l) dense.push_back(l);
+  return dense;
+}
+
+// The selection policy from its flags. What Config::Validate would refuse is
+// refused here first, in the terms of the flags the user can change.
+Status ParsePolicy(const Flags& f, const Geometry& g, SelectionPolicy& p) {
+  QKV_ASSIGN_OR_RETURN(p.token_budget, f.Int("token-budget", p.token_budget, 0, int64_t(1) << 40));
+  QKV_ASSIGN_OR_RETURN(int64_t sink, f.Int("sink-pages", p.sink_pages, 0, 1 << 20));
+  QKV_ASSIGN_OR_RETURN(int64_t local, f.Int("local-pages", p.local_pages, 1, 1 << 20));
+  p.sink_pages = int(sink), p.local_pages = int(local);
+  QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
+  QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
+  QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", DefaultDenseLayers(g.layers)));
+  p.dense_layers.clear();
+  for (int64_t l : dense) {
+    if (l < 0 || l >= g.layers)
+      return Status::InvalidArgument("--dense-layers: " + std::to_string(l) + " is not a layer of --layers " +
+                                     std::to_string(g.layers) + " (0.." + std::to_string(g.layers - 1) + ")");
+    p.dense_layers.push_back(int(l));
+  }
+  QKV_ASSIGN_OR_RETURN(p.layer_token_budgets, f.IntList("layer-budgets", {}));
+  if (!p.layer_token_budgets.empty() && p.layer_token_budgets.size() != std::size_t(g.layers))
+    return Status::InvalidArgument("--layer-budgets has " + std::to_string(p.layer_token_budgets.size()) +
+                                   " entries for --layers " + std::to_string(g.layers) + " (one a layer)");
+  for (int layer = 0; layer < g.layers; ++layer) {
+    if (p.is_dense(layer)) continue;
+    const int64_t pages = p.page_budget(layer, g.page_size);
+    if (pages >= int64_t(p.sink_pages) + p.local_pages) continue;
+    const bool own = std::size_t(layer) < p.layer_token_budgets.size() && p.layer_token_budgets[layer] >= 0;
+    const std::string budget = std::to_string(p.token_budget_for(layer));
+    return Status::InvalidArgument(
+        (own ? "--layer-budgets entry " + std::to_string(layer) + ", " + budget + " tokens,"
+             : "--token-budget " + budget + " at layer " + std::to_string(layer)) +
+        " is " + std::to_string(pages) + " pages of --page-size " + std::to_string(g.page_size) +
+        ", fewer than --sink-pages " + std::to_string(p.sink_pages) + " + --local-pages " +
+        std::to_string(p.local_pages) + " (raise the budget, lower those, or make the layer dense)");
+  }
+  return Status::Ok();
+}
+
+// What Config::Validate checks of the tier sizes, said in flags.
+Status CheckSizes(const Config& c) {
+  const std::string page = std::to_string(c.geometry.page_bytes()) + " bytes (" + c.geometry.ToString() + ")";
+  if (c.hbm_bytes != 0 && c.hbm_bytes < c.geometry.page_bytes())
+    return Status::InvalidArgument("--hbm-bytes " + std::to_string(c.hbm_bytes) + " holds no page; a page is " + page);
+  if (c.host_bytes != 0 && c.host_bytes < 2 * c.geometry.page_bytes())
+    return Status::InvalidArgument("--host-bytes " + std::to_string(c.host_bytes) +
+                                   " holds fewer than two pages; a page is " + page);
+  return Status::Ok();
+}
 
 Result<RunOptions> ParseRunOptions(const Flags& f) {
   RunOptions o;
@@ -69,6 +130,9 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(int64_t d, f.Int("head-dim", g.head_dim, 1, 512));
   QKV_ASSIGN_OR_RETURN(int64_t s, f.Int("page-size", g.page_size, 1, 1024));
   g.layers = int(layers), g.q_heads = int(hq), g.kv_heads = int(hkv), g.head_dim = int(d), g.page_size = int(s);
+  if (g.q_heads % g.kv_heads != 0)
+    return Status::InvalidArgument("--q-heads " + std::to_string(g.q_heads) + " is not a multiple of --kv-heads " +
+                                   std::to_string(g.kv_heads));
 
   QKV_ASSIGN_OR_RETURN(std::string workload, f.String("workload", "structured"));
   QKV_ASSIGN_OR_RETURN(o.workload, ParseWorkloadKind(workload));
@@ -79,19 +143,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(int64_t batch, f.Int("batch", o.batch, 1, 4096));
   o.batch = int(batch);
 
-  QKV_ASSIGN_OR_RETURN(p.token_budget, f.Int("token-budget", p.token_budget, 0, int64_t(1) << 40));
-  QKV_ASSIGN_OR_RETURN(int64_t sink, f.Int("sink-pages", p.sink_pages, 0, 1 << 20));
-  QKV_ASSIGN_OR_RETURN(int64_t local, f.Int("local-pages", p.local_pages, 0, 1 << 20));
-  p.sink_pages = int(sink), p.local_pages = int(local);
-  QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
-  QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
-  QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", {0, 1}));
-  p.dense_layers.clear();
-  for (int64_t l : dense) {
-    if (l < 0 || l >= g.layers) return Status::InvalidArgument("--dense-layers: " + std::to_string(l) + " is not a layer");
-    p.dense_layers.push_back(int(l));
-  }
-  QKV_ASSIGN_OR_RETURN(p.layer_token_budgets, f.IntList("layer-budgets", {}));
+  QKV_RETURN_IF_ERROR(ParsePolicy(f, g, p));
 
   // Enough page ids for the whole run unless told otherwise.
   const int64_t pages_per_seq = (o.context_tokens + o.decode_steps + g.page_size - 1) / g.page_size + 1;
@@ -116,7 +168,9 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(o.config.cold_miss, ParseColdMissPolicy(cold));
 
   QKV_ASSIGN_OR_RETURN(int64_t every, f.Int("recall-every", o.recall_every, 0, INT32_MAX));
-  QKV_ASSIGN_OR_RETURN(int64_t top_r, f.Int("top-r", o.top_r, 1, 1 << 20));
+  // Unset, R is at most the tokens of the shortest sequence when first diagnosed.
+  const int64_t top_r_default = std::clamp<int64_t>(DiagnosedTokensMin(o), 1, o.top_r);
+  QKV_ASSIGN_OR_RETURN(int64_t top_r, f.Int("top-r", top_r_default, 1, 1 << 20));
   o.recall_every = int(every), o.top_r = int(top_r);
   QKV_ASSIGN_OR_RETURN(std::vector<int64_t> recall_layers, f.IntList("recall-layers", {}));
   for (int64_t l : recall_layers) {
@@ -128,7 +182,9 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(int64_t port, f.Int("metrics-port", -1, -1, 65535));
   QKV_ASSIGN_OR_RETURN(int64_t linger, f.Int("metrics-linger-ms", 0, 0, 600000));
   o.metrics_port = int(port), o.metrics_linger_ms = int(linger);
+  QKV_RETURN_IF_ERROR(CheckSizes(o.config));
   QKV_RETURN_IF_ERROR(o.config.Validate());
+  QKV_RETURN_IF_ERROR(CheckRunOptions(o));
   return o;
 }
 

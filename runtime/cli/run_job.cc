@@ -59,9 +59,7 @@ struct Batch {
 Result<Batch> MakeBatch(Runtime& rt, const RunOptions& o) {
   Batch batch;
   for (int b = 0; b < o.batch; ++b) {
-    const int64_t len = o.context_tokens - 7 * int64_t(b);
-    if (len < 1) return Status::InvalidArgument("batch too large for the context: sequence " + std::to_string(b) +
-                                                " would hold " + std::to_string(len) + " tokens");
+    const int64_t len = o.context_tokens - 7 * int64_t(b);  // >= 1: CheckRunOptions
     WorkloadSpec spec{o.workload, o.seed + uint64_t(b), len, o.decode_steps};
     QKV_ASSIGN_OR_RETURN(Workload w, Workload::Create(o.config.geometry, spec));
     QKV_ASSIGN_OR_RETURN(SeqId id, rt.CreateSequence());
@@ -553,19 +551,38 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
 
 }  // namespace
 
-Result<RunReport> RunJob(const RunOptions& o) {
-  if (o.context_tokens < 1) return Status::InvalidArgument("context_tokens must be >= 1");
-  if (o.decode_steps < 0) return Status::InvalidArgument("decode_steps must be >= 0");
-  if (o.batch < 1) return Status::InvalidArgument("batch must be >= 1");
-  if (o.top_r < 1) return Status::InvalidArgument("top_r must be >= 1");
+int64_t DiagnosedTokensMin(const RunOptions& o) { return o.context_tokens - 7 * int64_t(o.batch - 1) + 1; }
+
+Status CheckRunOptions(const RunOptions& o) {
+  if (o.context_tokens < 1) return Status::InvalidArgument("--context must be >= 1");
+  if (o.decode_steps < 0) return Status::InvalidArgument("--steps must be >= 0");
+  if (o.batch < 1) return Status::InvalidArgument("--batch must be >= 1");
+  if (o.context_tokens - 7 * int64_t(o.batch - 1) < 1)
+    return Status::InvalidArgument("--batch " + std::to_string(o.batch) + " needs --context " +
+                                   std::to_string(7 * int64_t(o.batch - 1) + 1) + " or more (sequence b holds " +
+                                   "--context - 7b tokens), not " + std::to_string(o.context_tokens));
+  if (o.top_r < 1) return Status::InvalidArgument("--top-r must be >= 1");
   for (int layer : o.recall_layers) {
     if (layer < 0 || layer >= o.config.geometry.layers)
-      return Status::InvalidArgument("recall layer " + std::to_string(layer) + " is not a layer (0.." +
+      return Status::InvalidArgument("--recall-layers: " + std::to_string(layer) + " is not a layer (0.." +
                                      std::to_string(o.config.geometry.layers - 1) + ")");
     if (o.config.policy.is_dense(layer))
-      return Status::InvalidArgument("recall layer " + std::to_string(layer) +
-                                     " is dense: it attends every page, there is no selection to diagnose");
+      return Status::InvalidArgument("--recall-layers: layer " + std::to_string(layer) +
+                                     " is dense (--dense-layers): it attends every page, there is no selection "
+                                     "to diagnose");
   }
+  const bool diagnoses = o.recall_every > 0 && o.decode_steps > 0;
+  if (diagnoses && o.top_r > DiagnosedTokensMin(o))
+    return Status::InvalidArgument(
+        "--top-r " + std::to_string(o.top_r) + " is more than the " + std::to_string(DiagnosedTokensMin(o)) +
+        " tokens the shortest sequence holds when first diagnosed (--context " + std::to_string(o.context_tokens) +
+        (o.batch > 1 ? " - 7 x (--batch " + std::to_string(o.batch) + " - 1)" : "") +
+        " + 1 decoded); lower --top-r, raise --context, or give --recall-every 0");
+  return Status::Ok();
+}
+
+Result<RunReport> RunJob(const RunOptions& o) {
+  QKV_RETURN_IF_ERROR(CheckRunOptions(o));
   RunReport r;
   r.options = o;
   r.output_digest = 14695981039346656037ull;

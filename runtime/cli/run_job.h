@@ -117,6 +117,14 @@ struct RunReport {
   std::vector<StepRecord> steps;
 };
 
+// Tokens of the shortest sequence at the first diagnosed step (its context
+// and that step's token): the largest top_r every diagnosis can take.
+int64_t DiagnosedTokensMin(const RunOptions& options);
+
+// InvalidArgument, said with the flags of `questkv run` that set them, when
+// the options cannot run (RunJob checks them first).
+Status CheckRunOptions(const RunOptions& options);
+
 Result<RunReport> RunJob(const RunOptions& options);
 
 // Human-readable report and the one-object JSON report.
