@@ -29,7 +29,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 #include "runtime/workload.h"
 #include "tiers/hbm_cache.h"
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <type_traits>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

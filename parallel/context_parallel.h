@@ -30,8 +30,8 @@
 #include "parallel/decode_common.h"
 #include "parallel/global_topk.h"
 #include "parallel/shard.h"
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

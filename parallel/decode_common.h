@@ -10,8 +10,8 @@
 
 #include "kernels/cpu/kernels_cpu.h"
 #include "parallel/communicator.h"
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 #include "selector/select.h"
 
 namespace questkv {

@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/config.h"
+#include "questkv/config.h"
 #include "selector/select.h"
 
 namespace questkv {

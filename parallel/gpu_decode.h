@@ -33,8 +33,8 @@
 #include "parallel/communicator.h"
 #include "parallel/decode_common.h"
 #include "parallel/shard.h"
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -17,8 +17,8 @@
 #include "parallel/communicator.h"
 #include "parallel/decode_common.h"
 #include "parallel/shard.h"
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 #include "selector/select.h"
 
 namespace questkv {

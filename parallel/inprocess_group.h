@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "parallel/communicator.h"
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -20,7 +20,7 @@
 #include <memory>
 
 #include "parallel/communicator.h"
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -39,8 +39,8 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 #include "tiers/arena.h"
 #include "tiers/disk_tier.h"
 

@@ -22,9 +22,9 @@
 #include <span>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/runtime.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/runtime.h"
+#include "questkv/status.h"
 #include "selector/select.h"
 #include "tiers/page_table.h"
 

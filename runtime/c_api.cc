@@ -1,5 +1,5 @@
 // The C API (questkv.h) over questkv::Runtime: conversion and error capture only.
-#include "runtime/questkv.h"
+#include "questkv/questkv.h"
 
 #include <exception>
 #include <memory>
@@ -7,7 +7,7 @@
 #include <span>
 #include <string>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 
 struct qkv_runtime {
   std::unique_ptr<questkv::Runtime> rt;

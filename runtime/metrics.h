@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime.h"
-#include "runtime/status.h"
+#include "questkv/runtime.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

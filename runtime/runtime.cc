@@ -1,4 +1,4 @@
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 
 #include <algorithm>
 #include <cassert>
@@ -9,7 +9,7 @@
 
 #include "prefetch/tier_mover.h"
 #include "runtime/backend.h"
-#include "runtime/half.h"
+#include "core/half.h"
 #include "tiers/arena.h"
 #include "tiers/disk_tier.h"
 #include "tiers/io_backend.h"
@@ -207,6 +207,8 @@ Result<std::unique_ptr<IoBackend>> MakeIoBackend(const Config& c) {
   return MakeDefaultBackend(c.io_queue_depth);
 }
 }  // namespace
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config) { return Create(config, nullptr); }
 
 Result<std::unique_ptr<Runtime>> Runtime::Create(const Config& config, std::unique_ptr<IoBackend> io) {
   QKV_RETURN_IF_ERROR(config.Validate());

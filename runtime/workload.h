@@ -16,8 +16,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

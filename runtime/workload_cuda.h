@@ -35,8 +35,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/status.h"
 #include "runtime/workload.h"
 
 namespace questkv {

@@ -5,18 +5,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/config.h"
+#include "questkv/config.h"
 #include "selector/select.h"
 
 namespace questkv {
-
-// The K/V of one (sequence, layer) laid out for inspection: per KV head,
-// contiguous [T][D] keys and values in logical token order.
-struct DenseView {
-  int tokens = 0;                   // T
-  std::vector<float> k;             // [Hkv][T][D]
-  std::vector<float> v;             // [Hkv][T][D]
-};
 
 struct StepDiagnostics {
   // Mean over query heads of |dense top-R tokens whose page was selected| / R.

@@ -17,8 +17,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/config.h"
-#include "runtime/status.h"
+#include "questkv/config.h"
+#include "questkv/selection.h"
+#include "questkv/status.h"
 
 namespace questkv {
 
@@ -29,15 +30,6 @@ struct SelectInput {
   const uint32_t* page_ids = nullptr;    // [num_pages] logical order
   int num_pages = 0;                     // >= 1
   int layer = 0;
-};
-
-// Ascending logical page indices per KV head: row h is
-// pages[indptr[h] .. indptr[h+1]).
-struct PageSelection {
-  std::vector<int32_t> indptr;  // [Hkv + 1], indptr[0] = 0
-  std::vector<int32_t> pages;   // [nnz]
-  int count(int h) const { return indptr[h + 1] - indptr[h]; }
-  const int32_t* row(int h) const { return pages.data() + indptr[h]; }
 };
 
 // out[i] := the max or mean over the G rows of scores ([G][n], rows of n) of

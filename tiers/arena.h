@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 #include "topology/host_memory.h"
 
 namespace questkv {

@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

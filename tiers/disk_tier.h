@@ -27,7 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 #include "tiers/io_backend.h"
 
 namespace questkv {

@@ -30,7 +30,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 #include "tiers/arena.h"
 
 namespace questkv {

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 #include "tiers/io_backend.h"
 
 namespace questkv {

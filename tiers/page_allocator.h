@@ -14,7 +14,7 @@
 #include <functional>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

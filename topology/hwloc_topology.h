@@ -5,7 +5,7 @@
 
 #include <hwloc.h>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 

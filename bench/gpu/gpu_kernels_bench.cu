@@ -32,7 +32,7 @@
 
 #include "bench/gpu/check.cuh"
 #include "kernels/cuda/kernels_cuda.h"
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 
 using namespace questkv::kernels::cuda;
 

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "kernels/cpu/kernels_cpu.h"
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 
 namespace questkv::kernels {
 namespace {

@@ -2,7 +2,7 @@
 #include "runtime/cuda/backend.h"
 
 #include "kernels/cpu/kernels_cpu.h"
-#include "runtime/half.h"
+#include "core/half.h"
 
 namespace questkv::cuda_backend {
 

@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 
 namespace questkv {
 namespace {

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "kernels/cuda/kernels_cuda.h"
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 
 namespace questkv::kernels::cuda::test {
 namespace {

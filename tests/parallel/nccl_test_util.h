@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "parallel/nccl_communicator.h"
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv::test {
 

@@ -19,7 +19,7 @@
 #include "kernels/cpu/kernels_cpu.h"
 #include "parallel/context_parallel.h"
 #include "parallel/shard.h"
-#include "runtime/config.h"
+#include "questkv/config.h"
 #include "selector/select.h"
 #include "tests/testing/reference.h"
 

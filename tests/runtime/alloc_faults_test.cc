@@ -4,7 +4,8 @@
 // empty (no slot or page leaked).
 #include <gtest/gtest.h>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
+#include "tiers/io_backend.h"
 #include "tests/testing/reference.h"
 #include "topology/alloc_faults.h"
 

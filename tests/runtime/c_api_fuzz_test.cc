@@ -2,7 +2,7 @@
 // twin runtime that only ever sees the well-formed ones: a refused call must
 // change nothing, so both runtimes agree on every id, length, output and
 // capacity error.
-#include "runtime/questkv.h"
+#include "questkv/questkv.h"
 
 #include <gtest/gtest.h>
 

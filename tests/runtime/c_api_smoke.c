@@ -2,7 +2,7 @@
  * Writes the sparse output of one decode step to `out` ([4][16] floats). */
 #include <string.h>
 
-#include "runtime/questkv.h"
+#include "questkv/questkv.h"
 
 int qkv_c_smoke(float* out, char* error, size_t error_size) {
   qkv_config cfg;

@@ -1,5 +1,5 @@
 // The C API against the C++ Runtime it wraps.
-#include "runtime/questkv.h"
+#include "questkv/questkv.h"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 
 extern "C" int qkv_c_smoke(float* out, char* error, size_t error_size);
 

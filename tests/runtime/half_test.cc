@@ -2,7 +2,7 @@
 // force reference: the nearest value of the target type by search over all
 // of its finite values, ties to the even encoding, past the largest finite
 // value plus half an ulp to infinity.
-#include "runtime/half.h"
+#include "core/half.h"
 
 #include <gtest/gtest.h>
 

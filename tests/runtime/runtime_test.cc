@@ -1,6 +1,6 @@
 // Runtime against a plain model: every sequence's tokens kept in a flat
 // vector, summaries and attention recomputed from scratch in the test.
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <cmath>
 #include <map>
 
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {

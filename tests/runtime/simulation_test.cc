@@ -13,7 +13,8 @@
 #include <cstdlib>
 #include <random>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
+#include "tiers/io_backend.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {

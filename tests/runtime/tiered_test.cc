@@ -10,7 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
+#include "tiers/io_backend.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/scratch.h"
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime.h"
+#include "questkv/runtime.h"
 #include "tests/testing/reference.h"
 
 namespace questkv {

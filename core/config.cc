@@ -1,4 +1,4 @@
-#include "runtime/config.h"
+#include "questkv/config.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "runtime/status.h"
+#include "questkv/status.h"
 
 namespace questkv {
 
