@@ -68,7 +68,7 @@ Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t s
 void TierMover::SealEnd(uint32_t page) {
   Home& h = homes_[page];
   assert(h.host_slot != kNoSlot && !h.host_valid);
-  stats_.bytes.hbm_to_host += int64_t(g_.page_bytes());
+  stats_.bytes_hbm_to_host += int64_t(g_.page_bytes());
   // Taken while the bytes are known good; checked again right before a write.
   h.checksum = PageChecksum(host_->data(h.host_slot), g_.page_bytes(), page, h.generation);
   SetHostValid(page, true);
@@ -214,7 +214,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
   if (was_write) {
     write_failures_in_a_row_ = 0;
     ++stats_.demotions;
-    stats_.bytes.host_to_disk += int64_t(g_.page_bytes());
+    stats_.bytes_host_to_disk += int64_t(g_.page_bytes());
     // Read in place since the write was queued: keep the host copy for now
     // (a later demotion drops it for free, the disk copy being there).
     if (h.pinned_epoch < read_epoch_) {
@@ -224,7 +224,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
     }
   } else {
     ++stats_.promotions;
-    stats_.bytes.disk_to_host += int64_t(g_.page_bytes());
+    stats_.bytes_disk_to_host += int64_t(g_.page_bytes());
     h.error = Status::Ok();
     h.read_failures = 0;
     SetHostValid(c.page_id, true);

@@ -46,12 +46,8 @@
 
 namespace questkv {
 
-struct LinkBytes {
-  int64_t host_to_hbm = 0, hbm_to_host = 0, host_to_disk = 0, disk_to_host = 0;
-};
-
 struct MoverStats {
-  LinkBytes bytes;
+  int64_t bytes_host_to_hbm = 0, bytes_hbm_to_host = 0, bytes_host_to_disk = 0, bytes_disk_to_host = 0;
   int64_t cold_misses = 0;    // selected head-pages whose home was disk
   int64_t cold_stalls = 0;    // ... that the step waited for (strict)
   int64_t pages_skipped = 0;  // ... that the step attended without (deadline)
@@ -106,7 +102,7 @@ class TierMover {
   // A page whose reads keep failing is IOError.
   Result<const void*> HomeForMiss(uint32_t page, uint32_t generation, int64_t step);
   // Bytes a backend copied from host homes into hbm (the one byte counter).
-  void CountHostToHbm(int64_t bytes) { stats_.bytes.host_to_hbm += bytes; }
+  void CountHostToHbm(int64_t bytes) { stats_.bytes_host_to_hbm += bytes; }
   // The caller reads the page's host home in place until EndReads: it is not
   // demoted meanwhile.
   void ReadInPlace(uint32_t page) { homes_[page].pinned_epoch = read_epoch_; }

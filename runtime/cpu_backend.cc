@@ -415,7 +415,7 @@ BackendCounters CpuBackend::counters() {
   const MoverStats& m = mover_->stats();
   BackendCounters c;
   c.hits = h.hits, c.misses = h.misses, c.evictions = h.evictions, c.bypasses = h.bypasses;
-  c.bytes_h2d = m.bytes.host_to_hbm;
+  c.bytes_host_to_hbm = m.bytes_host_to_hbm;
   c.cold_misses = m.cold_misses, c.cold_stalls = m.cold_stalls, c.pages_skipped = m.pages_skipped;
   c.deferred_seals = deferred_seals_;
   c.slots_capacity = h.slots_capacity, c.slots_used = h.slots_used, c.slots_peak = h.slots_peak;

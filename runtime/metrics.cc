@@ -51,10 +51,10 @@ std::string MetricsRegistry::Render() const {
   const TierStats& t = tiers_;
   std::string o;
   Metric(o, "questkv_bytes_moved_total", "counter", "Bytes moved between tiers, per link.");
-  Sample(o, "questkv_bytes_moved_total{link=\"host_to_hbm\"}", double(t.host_to_hbm_bytes));
-  Sample(o, "questkv_bytes_moved_total{link=\"hbm_to_host\"}", double(t.hbm_to_host_bytes));
-  Sample(o, "questkv_bytes_moved_total{link=\"host_to_disk\"}", double(t.host_to_disk_bytes));
-  Sample(o, "questkv_bytes_moved_total{link=\"disk_to_host\"}", double(t.disk_to_host_bytes));
+  Sample(o, "questkv_bytes_moved_total{link=\"host_to_hbm\"}", double(t.bytes_host_to_hbm));
+  Sample(o, "questkv_bytes_moved_total{link=\"hbm_to_host\"}", double(t.bytes_hbm_to_host));
+  Sample(o, "questkv_bytes_moved_total{link=\"host_to_disk\"}", double(t.bytes_host_to_disk));
+  Sample(o, "questkv_bytes_moved_total{link=\"disk_to_host\"}", double(t.bytes_disk_to_host));
   Metric(o, "questkv_hbm_hits_total", "counter", "Selected head-pages found in the hbm cache.");
   Sample(o, "questkv_hbm_hits_total", double(t.hbm_hits));
   Metric(o, "questkv_hbm_misses_total", "counter", "Selected head-pages not in the hbm cache.");

@@ -527,10 +527,10 @@ TierStats Runtime::tier_stats() const {
   const MoverStats& m = I.mover->stats();
   const BackendCounters c = I.backend->counters();
   TierStats t;
-  t.host_to_hbm_bytes = c.bytes_h2d;
-  t.hbm_to_host_bytes = m.bytes.hbm_to_host;
-  t.host_to_disk_bytes = m.bytes.host_to_disk;
-  t.disk_to_host_bytes = m.bytes.disk_to_host;
+  t.bytes_host_to_hbm = c.bytes_host_to_hbm;
+  t.bytes_hbm_to_host = m.bytes_hbm_to_host;
+  t.bytes_host_to_disk = m.bytes_host_to_disk;
+  t.bytes_disk_to_host = m.bytes_disk_to_host;
   t.hbm_hits = c.hits, t.hbm_misses = c.misses, t.hbm_evictions = c.evictions, t.hbm_bypasses = c.bypasses;
   t.cold_misses = c.cold_misses, t.cold_stalls = c.cold_stalls, t.pages_skipped = c.pages_skipped;
   t.hbm_capacity_bytes = c.slots_capacity * c.slot_bytes, t.hbm_peak_bytes = c.slots_peak * c.slot_bytes;

@@ -26,7 +26,7 @@ struct AttendStats {
 
 // Tier state and traffic since creation.
 struct TierStats {
-  int64_t host_to_hbm_bytes = 0, hbm_to_host_bytes = 0, host_to_disk_bytes = 0, disk_to_host_bytes = 0;
+  int64_t bytes_host_to_hbm = 0, bytes_hbm_to_host = 0, bytes_host_to_disk = 0, bytes_disk_to_host = 0;
   int64_t hbm_hits = 0, hbm_misses = 0, hbm_evictions = 0, hbm_bypasses = 0;
   int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0;
   int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0, deferred_seals = 0;

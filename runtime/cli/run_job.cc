@@ -257,7 +257,7 @@ class DeviceStep {
 };
 
 RunReport::Links LinksOf(const TierStats& t) {
-  return {t.host_to_hbm_bytes, t.hbm_to_host_bytes, t.host_to_disk_bytes, t.disk_to_host_bytes};
+  return {t.bytes_host_to_hbm, t.bytes_hbm_to_host, t.bytes_host_to_disk, t.bytes_disk_to_host};
 }
 int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
 void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunReport::Links& before) {

@@ -176,25 +176,14 @@ Result<double> CudaBackendImpl::TimeDenseOffload(std::span<const PageList* const
 }
 
 BackendCounters CudaBackendImpl::counters() {
-  const CudaCounters d = device_counters();
-  BackendCounters c;
-  c.selected = d.selected, c.hits = d.hits, c.misses = d.misses_host + d.misses_disk, c.evictions = d.evictions;
-  c.bytes_h2d = d.bytes_host_to_hbm;
-  c.cold_misses = d.misses_disk, c.cold_stalls = d.cold_stalls, c.pages_skipped = d.pages_skipped;
-  c.slots_capacity = d.slots_capacity, c.slots_used = d.slots_used, c.slots_peak = d.slots_peak;
-  c.slot_bytes = d.slot_bytes;
-  return c;
-}
-
-CudaCounters CudaBackendImpl::device_counters() {
   kc::ResolveCounters c{};
   cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_);
   cudaStreamSynchronize(stream_);
-  CudaCounters out;
+  BackendCounters out;
   out.selected = int64_t(c.selected);
   out.hits = int64_t(c.hits);
-  out.misses_host = int64_t(c.misses_host);
-  out.misses_disk = int64_t(c.misses_disk);
+  out.misses = int64_t(c.misses_host + c.misses_disk);
+  out.cold_misses = int64_t(c.misses_disk);
   out.evictions = int64_t(c.evictions) + extra_evictions_;
   out.bytes_host_to_hbm = int64_t(c.bytes_host_to_hbm) + extra_bytes_;
   out.cold_stalls = int64_t(c.cold_stalls);

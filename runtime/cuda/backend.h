@@ -169,12 +169,6 @@ class HostClock {
   std::chrono::steady_clock::time_point last_;
 };
 
-// Device counters, accumulated since creation.
-struct CudaCounters {
-  int64_t selected = 0, hits = 0, misses_host = 0, misses_disk = 0, evictions = 0, bytes_host_to_hbm = 0;
-  int64_t cold_stalls = 0, pages_skipped = 0;
-  uint64_t slots_capacity = 0, slots_used = 0, slots_peak = 0, slot_bytes = 0;
-};
 
 class CudaBackendImpl final : public DataPlane {
  public:
@@ -301,7 +295,6 @@ class CudaBackendImpl final : public DataPlane {
   Status ReadBack(const StepArgs& s, StepPlan& p);
   Status NoteSelections(const StepArgs& s, StepPlan& p);
   Status ReadTail(uint32_t part, PageId tail, void* dst);
-  CudaCounters device_counters();
   struct Partition {
     bool live = false;
     std::vector<int32_t> tail;       // [Hkv] pinned slots of the page being filled

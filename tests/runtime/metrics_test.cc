@@ -32,7 +32,7 @@ std::string Ask(int port, const std::string& request) {
 TEST(Metrics, RendersCountersGaugesAndACumulativeHistogram) {
   MetricsRegistry m;
   TierStats t;
-  t.host_to_hbm_bytes = 4096;
+  t.bytes_host_to_hbm = 4096;
   t.hbm_hits = 7;
   t.disk_capacity_bytes = 1 << 20;
   m.Publish(t);

@@ -477,7 +477,7 @@ TEST_F(RuntimeTest, HbmBudgetBoundsCacheButNotContext) {
   SeqId a = NewSeq();
   AppendRandom(a, 90);  // 23 pages through an hbm of 3: sealed pages leave for host
   EXPECT_LE(rt_->tier_stats().hbm_peak_bytes, rt_->tier_stats().hbm_capacity_bytes);
-  EXPECT_GT(rt_->tier_stats().hbm_to_host_bytes, 0);
+  EXPECT_GT(rt_->tier_stats().bytes_hbm_to_host, 0);
   ExpectSummaries(a, 0);
   ExpectAttention(a, 0);
   // Three tails (one per sequence) fill the hbm; a fourth cannot be pinned.

@@ -180,7 +180,7 @@ TEST(Simulation, TinyTiersMatchAllInMemoryForManySeeds) {
     Sim sim(seed);
     sim.Run();
     if (HasFatalFailure()) return;
-    disk_reads += sim.tiny->tier_stats().disk_to_host_bytes;
+    disk_reads += sim.tiny->tier_stats().bytes_disk_to_host;
   }
   // The budgets are small enough that the disk path is exercised.
   EXPECT_GT(disk_reads, 0);

@@ -92,10 +92,10 @@ TEST(Tiered, StrictOutputsAreBitIdenticalToAllInMemory) {
     }
   }
   const TierStats t = p.tiered->tier_stats();
-  EXPECT_GT(t.host_to_hbm_bytes, 0);
-  EXPECT_GT(t.hbm_to_host_bytes, 0);
-  EXPECT_GT(t.host_to_disk_bytes, 0);
-  EXPECT_GT(t.disk_to_host_bytes, 0);
+  EXPECT_GT(t.bytes_host_to_hbm, 0);
+  EXPECT_GT(t.bytes_hbm_to_host, 0);
+  EXPECT_GT(t.bytes_host_to_disk, 0);
+  EXPECT_GT(t.bytes_disk_to_host, 0);
   EXPECT_GT(t.cold_stalls, 0);
   EXPECT_EQ(t.pages_skipped, 0);
   EXPECT_LE(t.hbm_peak_bytes, t.hbm_capacity_bytes);
@@ -164,7 +164,7 @@ TEST(Tiered, RealDiskThroughTheDefaultBackend) {
     ASSERT_TRUE(p.tiered->DecodeAttention(ts, 1, q.data(), o2.data()).ok());
     ASSERT_EQ(o1, o2);
   }
-  EXPECT_GT(p.tiered->tier_stats().disk_to_host_bytes, 0);
+  EXPECT_GT(p.tiered->tier_stats().bytes_disk_to_host, 0);
   p.tiered.reset();  // closes the page files before the directory goes
 }
 
@@ -247,7 +247,7 @@ TEST(Tiered, DelayedAndReorderedCompletionsChangeNothing) {
     ASSERT_TRUE(s.ok()) << s.ToString();
     ASSERT_EQ(o1, o2);
   }
-  EXPECT_GT(p.tiered->tier_stats().disk_to_host_bytes, 0);
+  EXPECT_GT(p.tiered->tier_stats().bytes_disk_to_host, 0);
 }
 
 TEST(Tiered, HostFullWithoutDiskIsAClearErrorAndNothingIsLost) {
@@ -327,7 +327,7 @@ TEST(Tiered, ADiskThatRefusesEveryWriteEndsInAnErrorNotAHang) {
     EXPECT_GT(st.io_errors, 0);
     // Each seal that needed room tried at most TierMover::kIoAttempts writes.
     EXPECT_LE(st.io_errors, 3 * (held / 4 + 2) + 8) << "demotion kept retrying";
-    EXPECT_EQ(st.host_to_disk_bytes, 0);
+    EXPECT_EQ(st.bytes_host_to_disk, 0);
     ExpectServesAndFrees(p, r, t);
   }
 }

@@ -212,10 +212,10 @@ TEST(CudaTiers, MostlyOnHostIsBitIdenticalToAllInHbm) {
   RunScenario(tw, all.geometry, 0, 6);
   const TierStats s = b->tier_stats();
   EXPECT_GT(s.hbm_misses, 0);
-  EXPECT_GT(s.host_to_hbm_bytes, 0);
+  EXPECT_GT(s.bytes_host_to_hbm, 0);
   EXPECT_GT(s.hbm_evictions, 0);
   EXPECT_LE(s.hbm_peak_bytes, s.hbm_capacity_bytes);
-  EXPECT_EQ(s.host_to_hbm_bytes, (s.hbm_misses) * int64_t(slot));
+  EXPECT_EQ(s.bytes_host_to_hbm, (s.hbm_misses) * int64_t(slot));
 }
 
 // Layers prefilled first keep the pages that fit in HBM; the layers decoded
@@ -281,7 +281,7 @@ TEST(CudaGraphs, ReplayedStepsEqualDirectLaunches) {
   EXPECT_EQ(sa.hbm_hits, sb.hbm_hits);
   EXPECT_EQ(sa.hbm_misses, sb.hbm_misses);
   EXPECT_EQ(sa.hbm_evictions, sb.hbm_evictions);
-  EXPECT_EQ(sa.host_to_hbm_bytes, sb.host_to_hbm_bytes);
+  EXPECT_EQ(sa.bytes_host_to_hbm, sb.bytes_host_to_hbm);
 }
 
 // Host tier smaller than the cache, the rest on disk: under `strict` the
@@ -308,8 +308,8 @@ TEST(CudaTiers, DiskTierStrictIsBitIdenticalAndDeadlineCompletes) {
     Twins tw({a.get(), b.get()}, mem.geometry, c.dtype);
     RunScenario(tw, mem.geometry, 0, 3);
     const TierStats s = b->tier_stats();
-    EXPECT_GT(s.host_to_disk_bytes, 0);
-    EXPECT_GT(s.disk_to_host_bytes, 0);
+    EXPECT_GT(s.bytes_host_to_disk, 0);
+    EXPECT_GT(s.bytes_disk_to_host, 0);
     EXPECT_GT(s.cold_stalls, 0);
     EXPECT_EQ(s.cold_stalls, s.cold_misses);
     EXPECT_EQ(s.pages_skipped, 0);
@@ -483,7 +483,7 @@ TEST(CudaApi, EnqueuedStepsMatchHostCalls) {
   EXPECT_GT(b.hbm_misses, 0);
   EXPECT_EQ(a.hbm_hits, b.hbm_hits);
   EXPECT_EQ(a.hbm_misses, b.hbm_misses);
-  EXPECT_EQ(a.host_to_hbm_bytes, b.host_to_hbm_bytes);
+  EXPECT_EQ(a.bytes_host_to_hbm, b.bytes_host_to_hbm);
   cudaFreeHost(hk), cudaFreeHost(hv), cudaFreeHost(hq);
   cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout);
 }
