@@ -8,6 +8,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <new>
 #include <optional>
 
 namespace questkv {
@@ -273,9 +274,25 @@ Status ReadHeader(int fd, int64_t file_bytes, const std::string& path, Header* h
   return Status::Ok();
 }
 
-Status ReadF16(int fd, int64_t offset, int64_t n, const std::string& path, std::vector<float>* out) {
-  out->resize(std::size_t(n));
-  std::vector<uint16_t> buf(std::size_t(std::min(n, kChunkElems)));
+// Sizes a data buffer. The shape already matches the file's size, so a
+// failure here is a large valid file meeting a memory limit: said with the
+// bytes asked for, never thrown past the reader.
+template <typename T>
+Status Allocate(std::vector<T>* v, int64_t n, const std::string& path, const std::string& what) {
+  try {
+    v->resize(std::size_t(n));
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("out of memory reading " + path + " (" +
+                                     std::to_string(uint64_t(n) * sizeof(T)) + " bytes for " + what + ")");
+  }
+  return Status::Ok();
+}
+
+Status ReadF16(int fd, int64_t offset, int64_t n, const std::string& path, const std::string& what,
+               std::vector<float>* out) {
+  QKV_RETURN_IF_ERROR(Allocate(out, n, path, what + " widened to float32"));
+  std::vector<uint16_t> buf;
+  QKV_RETURN_IF_ERROR(Allocate(&buf, std::min(n, kChunkElems), path, "a float16 read buffer"));
   for (int64_t done = 0; done < n;) {
     const int64_t c = std::min(n - done, kChunkElems);
     QKV_RETURN_IF_ERROR(ReadExact(fd, offset + done * 2, buf.data(), std::size_t(c) * 2, path));
@@ -383,17 +400,18 @@ Result<NpyArray> ReadNpy(const std::string& path) {
 
   NpyArray a;
   a.dtype = dtype;
+  const std::string what = "shape " + FormatShape(h.shape) + " of " + std::string(NpyDTypeName(dtype));
   a.shape = std::move(h.shape);
   switch (dtype) {
     case NpyDType::kF32:
-      a.f32.resize(std::size_t(*n));
+      QKV_RETURN_IF_ERROR(Allocate(&a.f32, *n, path, what));
       QKV_RETURN_IF_ERROR(ReadExact(fd.get(), offset, a.f32.data(), std::size_t(data_bytes), path));
       break;
     case NpyDType::kF16:
-      QKV_RETURN_IF_ERROR(ReadF16(fd.get(), offset, *n, path, &a.f32));
+      QKV_RETURN_IF_ERROR(ReadF16(fd.get(), offset, *n, path, what, &a.f32));
       break;
     case NpyDType::kI32:
-      a.i32.resize(std::size_t(*n));
+      QKV_RETURN_IF_ERROR(Allocate(&a.i32, *n, path, what));
       QKV_RETURN_IF_ERROR(ReadExact(fd.get(), offset, a.i32.data(), std::size_t(data_bytes), path));
       break;
   }

@@ -12,7 +12,11 @@
 // Errors name the file and the problem: IOError when the OS refuses (missing
 // file, directory, short write), Corruption when the bytes are not a valid
 // .npy file, InvalidArgument when the file is valid but asks for something
-// this reader does not support (dtype, byte order, Fortran order).
+// this reader does not support (dtype, byte order, Fortran order),
+// ResourceExhausted when a valid file's data does not fit in memory (with
+// the bytes asked for). Data buffers are sized only after the shape is
+// checked against the file's size; failing to get them is that status, not
+// a std::bad_alloc.
 //
 // Free functions, no shared state: safe to call from several threads at once.
 #pragma once

@@ -6,8 +6,8 @@
 // missing, unknown, not an integer, out of range, a budget smaller than the
 // sink + local pages, an output path naming an input or the other output),
 // 1 data or runtime error (unreadable or malformed files, shapes that
-// disagree, NaN/Inf, magnitudes whose sums overflow float32, the runtime
-// refusing).
+// disagree, NaN/Inf, magnitudes whose sums overflow float32, inputs larger
+// than the memory the process may use, the runtime refusing).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -9,4 +9,12 @@ int RunMain(int argc, char** argv);     // questkv run
 int AttendMain(int argc, char** argv);  // questkv attend
 int ProbeMain(int argc, char** argv);   // questkv probe
 
+// Runs a subcommand's main; an exception escaping it (std::bad_alloc above
+// all: an allocation no status reports) becomes a message on stderr naming
+// the command, and exit code 1 instead of std::terminate's abort.
+int GuardedMain(const char* name, int (*main_fn)(int, char**), int argc, char** argv);
+
+// The whole of `questkv`: argv[1] names the subcommand, run guarded.
+int Main(int argc, char** argv);
+
 }  // namespace questkv::cli
