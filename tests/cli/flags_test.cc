@@ -88,8 +88,8 @@ TEST(Flags, PlainIntegersStillParse) {
   EXPECT_FALSE(ParseOne("n", "9223372036854775808").Int("n", 0, INT64_MIN, INT64_MAX).ok());
 }
 
-// End to end: the wrapped sizes of `questkv run` are usage errors naming the
-// flag, not a silent 0 (all pages, or a missing disk size).
+// End to end: sizes past the limit are usage errors of `questkv run` naming
+// the flag and the value as given.
 TEST(Flags, RunRefusesWrappedSizes) {
   test::Outcome r = test::RunCommand(RunMain, "run", {"--hbm-bytes", "16777216T", "--no-progress"});
   EXPECT_EQ(r.code, 2);
