@@ -19,7 +19,7 @@
 // again for one step) then displaces its own pages, not the working set the
 // recent queries keep hitting. On a Llama-3-8B layer's selections at 128K
 // with 4369 slots (bench/cache_policy_sim.cc; results in
-// bench/results/2026-11-30-gpu-session-8.md): 16-28% fewer misses than LRU
+// bench/results/2026-11-30-gpu-chained-kernels-eviction.md): 16-28% fewer misses than LRU
 // on recent-query steps, 4-13% fewer over all steps (32-256 steps).
 //
 // Thread-compatible.

@@ -49,7 +49,7 @@ __global__ void LdgKernel(const uint4* __restrict__ p, size_t n, unsigned* out) 
 }
 
 // The plain cp.async form (the kernels' CopyAsync16 passes a source size for
-// zero-filling; measured the same, bench/results/2026-12-04-gpu-session-23.md).
+// zero-filling; measured the same, bench/results/2026-12-04-gpu-score-kernel-profile.md).
 __device__ __forceinline__ void Copy16(void* dst, const void* src) {
   const unsigned d = unsigned(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");

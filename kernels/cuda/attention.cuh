@@ -241,7 +241,7 @@ __device__ __forceinline__ uint32_t Word(const uint4& v, int j) {
 // / 182.0 -> 24.9 / 35.9 / 53.4 / 84.0 us (pipelined). Llama-3-8B's groups
 // of 4 on this path ran 23.3 / 32.7 / 51.6 / 82.5 us against 22.0 / 32.0 /
 // 50.7 / 83.4 on the CUDA cores: no gain, and slower at batch 1
-// (bench/results/2026-12-03-gpu-session-19.md).
+// (bench/results/2026-12-03-gpu-tensor-core-pipelining.md).
 template <typename T, int D, int S, int G>
 struct AttendMma {
   static constexpr bool kOn = sizeof(T) == 2 && G == 8 && D <= 128;
