@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "questkv/runtime.h"
-#include "runtime/workload.h"
+#include "tools/workload.h"
 #include "tiers/hbm_cache.h"
 
 namespace questkv {

@@ -1,19 +1,44 @@
 // Host-side conversion between f32 and the model dtypes, for the few host
 // paths of the CUDA backend that touch K/V bytes (rollback's summary rebuild,
 // Gather, summaries read back) and for callers that feed the device-pointer
-// API from host floats (`questkv run`). To f32 is exact: f16 through npy's
-// HalfBitsToFloat, bf16 a shift. From f32 rounds to nearest even, the bits of
+// API from host floats (`questkv run`), and the .npy reader. To f32 is exact:
+// f16 through HalfBitsToFloat, bf16 a shift. From f32 rounds to nearest even, the bits of
 // CUDA's __float2half_rn / __float2bfloat16_rn (NaN becomes 0x7FFF as there).
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "questkv/config.h"
-#include "runtime/npy.h"  // HalfBitsToFloat
 
 namespace questkv {
+
+// IEEE 754 binary16 bits -> float, exact for every one of the 65536 patterns
+// (NaN payloads are kept in the top mantissa bits).
+inline float HalfBitsToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf, or NaN with its payload
+  } else if (exp != 0) {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;  // ±0
+  } else {
+    // Subnormal mant·2^-24: normalise so the leading 1 becomes implicit.
+    int shift = 0;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      ++shift;
+    }
+    bits = sign | (uint32_t(127 - 14 - shift) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  return std::bit_cast<float>(bits);
+}
 
 inline float Bf16ToFloat(uint16_t b) {
   const uint32_t bits = uint32_t(b) << 16;

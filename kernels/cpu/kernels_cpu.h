@@ -12,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/constants.h"
+
 namespace questkv::kernels {
 
 // ---- append + summary --------------------------------------------------------
@@ -127,7 +129,7 @@ namespace questkv::kernels {
 // counters and the copied bytes.
 namespace resolve {
 
-inline constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;  // slot_page of a free slot
+using ::questkv::kEmptySlot;  // slot_page of a free slot
 
 // A selected head-page the host must handle: a cold miss (home on disk) or a
 // bypass (no slot of its partition could be taken this step).

@@ -1,4 +1,4 @@
-/* Compiled as C: proves questkv.h is a C header and drives a small session.
+/* Compiled as C: proves questkv.h is a C header and drives a small workload.
  * Writes the sparse output of one decode step to `out` ([4][16] floats). */
 #include <string.h>
 

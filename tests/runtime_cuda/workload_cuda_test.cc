@@ -1,4 +1,4 @@
-// DeviceWorkload (runtime/workload_cuda.h) against Workload::Tokens: both
+// DeviceWorkload (tools/workload_cuda.h) against Workload::Tokens: both
 // workloads, several geometries and layers, ranges that straddle the
 // structured layout (sinks, needle / entity / mention runs, span and drift
 // boundaries, the decode tail, pieces of one call), in f32, f16 and bf16.
@@ -10,7 +10,7 @@
 // the host libm's logf/sincosf values in), so every count of inexact elements
 // below is 0. Each case prints its measured error.
 // Skips, saying why, without a usable GPU.
-#include "runtime/workload_cuda.h"
+#include "tools/workload_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/workload.h"
+#include "tools/workload.h"
 #include "tests/kernels_cuda/cuda_test_util.h"
 
 namespace questkv {

@@ -1,0 +1,915 @@
+#include "tools/cli/run_job.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <memory>
+#include <thread>
+
+#include "tools/cli/json.h"
+#include "tools/cli/progress.h"
+#include "core/half.h"
+#include "tools/metrics.h"
+#include "questkv/runtime.h"
+#include "selector/diagnostics.h"
+#include "topology/topology.h"
+
+#if QUESTKV_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "tools/workload_cuda.h"
+#endif
+
+namespace questkv::cli {
+
+namespace {
+
+constexpr int64_t kPrefillChunk = 1024;
+
+// FNV-1a, 64 bit: order-sensitive, so equal digests mean equal output streams.
+void Digest(uint64_t& h, const float* data, std::size_t n) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n * sizeof(float); ++i) {
+    h ^= bytes[i];
+    h *= 1099511628211ull;
+  }
+}
+
+Percentiles Summarise(std::vector<double> v) {
+  Percentiles p;
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, std::size_t(q * double(v.size() - 1) + 0.5))]; };
+  p.p50 = at(0.50);
+  p.p99 = at(0.99);
+  for (double x : v) p.mean += x;
+  p.mean /= double(v.size());
+  return p;
+}
+
+struct Batch {
+  std::vector<SeqId> ids;
+  std::vector<Workload> workloads;  // one per sequence (seed + b)
+  std::vector<int64_t> lengths;     // context tokens of each
+};
+
+Result<Batch> MakeBatch(Runtime& rt, const RunOptions& o) {
+  Batch batch;
+  for (int b = 0; b < o.batch; ++b) {
+    const int64_t len = o.context_tokens - 7 * int64_t(b);  // >= 1: CheckRunOptions
+    WorkloadSpec spec{o.workload, o.seed + uint64_t(b), len, o.decode_steps};
+    QKV_ASSIGN_OR_RETURN(Workload w, Workload::Create(o.config.geometry, spec));
+    QKV_ASSIGN_OR_RETURN(SeqId id, rt.CreateSequence());
+    batch.ids.push_back(id);
+    batch.workloads.push_back(std::move(w));
+    batch.lengths.push_back(len);
+  }
+  return batch;
+}
+
+// The prefill's appends in order: sequence, layer, then kPrefillChunk tokens
+// at a time.
+struct PrefillChunk {
+  std::size_t b;
+  int layer;
+  int64_t t, n;
+};
+std::vector<PrefillChunk> PrefillChunks(const Batch& batch, int layers, int64_t* tokens) {
+  std::vector<PrefillChunk> chunks;
+  *tokens = 0;
+  for (std::size_t b = 0; b < batch.ids.size(); ++b)
+    for (int layer = 0; layer < layers; ++layer)
+      for (int64_t t = 0; t < batch.lengths[b]; t += kPrefillChunk) {
+        chunks.push_back({b, layer, t, std::min(kPrefillChunk, batch.lengths[b] - t)});
+        *tokens += chunks.back().n;
+      }
+  return chunks;
+}
+
+// Chunks are generated on worker threads (the workload is a pure function of
+// its coordinates, so the values do not depend on the threading) and
+// appended in order on this one.
+Status Prefill(Runtime& rt, const RunOptions& o, const Batch& batch) {
+  const Geometry& g = o.config.geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  int64_t total = 0, done = 0;
+  const std::vector<PrefillChunk> chunks = PrefillChunks(batch, g.layers, &total);
+  Progress bar("prefill", total, o.progress);
+  struct KV {
+    std::vector<float> k, v;
+  };
+  const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 16);
+  std::deque<std::future<KV>> inflight;
+  std::size_t next = 0;
+  auto launch = [&] {
+    const PrefillChunk c = chunks[next++];
+    inflight.push_back(std::async(std::launch::async, [&batch, c, row] {
+      KV kv{std::vector<float>(c.n * row), std::vector<float>(c.n * row)};
+      batch.workloads[c.b].Tokens(c.layer, c.t, c.n, kv.k.data(), kv.v.data());
+      return kv;
+    }));
+  };
+  for (const PrefillChunk& c : chunks) {
+    while (next < chunks.size() && inflight.size() < 2 * workers) launch();
+    KV kv = inflight.front().get();
+    inflight.pop_front();
+    if (Status s = rt.Append(batch.ids[c.b], c.layer, kv.k.data(), kv.v.data(), c.n); !s.ok()) {
+      for (auto& f : inflight) f.wait();
+      return s;
+    }
+    bar.Update(done += c.n);
+  }
+  return Status::Ok();
+}
+
+// The CUDA backend's prefill: each chunk's K/V generated on the GPU
+// (DeviceWorkload: the host generator's values, bit for bit) straight into
+// device memory in the model dtype and appended from there.
+Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
+#if QUESTKV_HAVE_CUDA
+  const Geometry& g = o.config.geometry;
+  const std::size_t bytes = std::size_t(kPrefillChunk) * g.kv_heads * g.head_dim * DTypeBytes(g.dtype);
+  // Generated on the runtime's stream, so each chunk's append reads it in
+  // stream order and the next chunk overwrites it only after.
+  struct Device {
+    void* k = nullptr;
+    void* v = nullptr;
+    ~Device() {
+      cudaFree(k);
+      cudaFree(v);
+    }
+  } d;
+  const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+  if (cudaMalloc(&d.k, bytes) != cudaSuccess || cudaMalloc(&d.v, bytes) != cudaSuccess)
+    return Status::ResourceExhausted("device buffers for the prefill chunks");
+  std::vector<std::unique_ptr<DeviceWorkload>> gen;
+  for (const Workload& w : batch.workloads) {
+    QKV_ASSIGN_OR_RETURN(std::unique_ptr<DeviceWorkload> dw, DeviceWorkload::Create(w));
+    gen.push_back(std::move(dw));
+  }
+  int64_t total = 0, done = 0;
+  const std::vector<PrefillChunk> chunks = PrefillChunks(batch, g.layers, &total);
+  Progress bar("prefill (K/V generated on the GPU)", total, o.progress);
+  for (const PrefillChunk& c : chunks) {
+    QKV_RETURN_IF_ERROR(gen[c.b]->Tokens(c.layer, c.t, c.n, d.k, d.v, g.dtype, stream));
+    QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[c.b], c.layer, d.k, d.v, c.n));
+    bar.Update(done += c.n);
+  }
+  return rt.Synchronize();
+#else
+  (void)rt, (void)o, (void)batch;
+  return Status::Unimplemented("K/V generated on the GPU needs a CUDA build");
+#endif
+}
+
+// One decode step through the device-pointer calls (RunOptions::
+// device_decode): the step's queries and K/V rows, generated on the host and
+// rounded to the model dtype as the host calls round them, go up before the
+// step; then every layer's append and decode are enqueued on the runtime's
+// stream, and the step is timed from the first call to the end of its work
+// on the GPU. Outputs come back after, in layer order for the digest.
+class DeviceStep {
+ public:
+#if QUESTKV_HAVE_CUDA
+  DeviceStep(const Geometry& g, int batch) : g_(g), batch_(batch) {}
+  ~DeviceStep() {
+    cudaFreeHost(host_);
+    cudaFree(dev_);
+  }
+  DeviceStep(const DeviceStep&) = delete;
+  DeviceStep& operator=(const DeviceStep&) = delete;
+
+  Status Init() {
+    row_ = std::size_t(g_.kv_heads) * g_.head_dim * batch_;
+    qrow_ = std::size_t(g_.q_heads) * g_.head_dim * batch_;
+    layer_elems_ = 2 * row_ + 2 * qrow_;  // k, v, q, out
+    bytes_ = std::size_t(g_.layers) * layer_elems_ * DTypeBytes(g_.dtype);
+    if (cudaHostAlloc(&host_, bytes_, cudaHostAllocDefault) != cudaSuccess || cudaMalloc(&dev_, bytes_) != cudaSuccess)
+      return Status::ResourceExhausted("buffers for the decode step's device-pointer calls");
+    return Status::Ok();
+  }
+
+  // Host f32 k, v [B][Hkv][D] and q [B][Hq][D] of a layer.
+  void Stage(int layer, const float* k, const float* v, const float* q) {
+    FromFloats(k, g_.dtype, row_, At(host_, layer, 0));
+    FromFloats(v, g_.dtype, row_, At(host_, layer, row_));
+    FromFloats(q, g_.dtype, qrow_, At(host_, layer, 2 * row_));
+  }
+
+  // Uploads the staged inputs, then runs and times the step (seconds);
+  // *enqueue_s gets the host's share: until the last call returned.
+  Result<double> Run(Runtime& rt, const Batch& batch, AttendStats& stats, double* append_us, double* enqueue_s) {
+    const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    if (cudaMemcpyAsync(dev_, host_, bytes_, cudaMemcpyHostToDevice, stream) != cudaSuccess)
+      return Status::Internal("decode step upload failed");
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    const std::size_t el = DTypeBytes(g_.dtype);
+    const std::size_t kv_row = std::size_t(g_.kv_heads) * g_.head_dim * el;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int layer = 0; layer < g_.layers; ++layer) {
+      const auto a0 = std::chrono::steady_clock::now();
+      for (int b = 0; b < batch_; ++b)
+        QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[b], layer, static_cast<char*>(At(dev_, layer, 0)) + b * kv_row,
+                                            static_cast<char*>(At(dev_, layer, row_)) + b * kv_row, 1));
+      *append_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - a0).count();
+      QKV_RETURN_IF_ERROR(rt.DecodeAttentionDevice(batch.ids, layer, At(dev_, layer, 2 * row_),
+                                                   At(dev_, layer, 2 * row_ + qrow_), nullptr, &stats));
+    }
+    *enqueue_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // The step's outputs, f32, layer after layer into out[L][B][Hq][D].
+  Status Outputs(Runtime& rt, std::vector<float>& out) {
+    const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    out.resize(std::size_t(g_.layers) * qrow_);
+    for (int layer = 0; layer < g_.layers; ++layer)
+      if (cudaMemcpyAsync(At(host_, layer, 2 * row_ + qrow_), At(dev_, layer, 2 * row_ + qrow_),
+                          qrow_ * DTypeBytes(g_.dtype), cudaMemcpyDeviceToHost, stream) != cudaSuccess)
+        return Status::Internal("decode step readback failed");
+    QKV_RETURN_IF_ERROR(rt.Synchronize());
+    for (int layer = 0; layer < g_.layers; ++layer)
+      ToFloats(At(host_, layer, 2 * row_ + qrow_), g_.dtype, qrow_, out.data() + std::size_t(layer) * qrow_);
+    return Status::Ok();
+  }
+
+ private:
+  // Element `elem` of a layer's [k | v | q | out] block.
+  void* At(void* base, int layer, std::size_t elem) const {
+    return static_cast<char*>(base) + (std::size_t(layer) * layer_elems_ + elem) * DTypeBytes(g_.dtype);
+  }
+  Geometry g_;
+  int batch_;
+  std::size_t row_ = 0, qrow_ = 0, layer_elems_ = 0, bytes_ = 0;
+  void* host_ = nullptr;  // pinned
+  void* dev_ = nullptr;
+#else
+  DeviceStep(const Geometry&, int) {}
+  Status Init() { return Status::Unimplemented("decode on device pointers needs a CUDA build"); }
+  void Stage(int, const float*, const float*, const float*) {}
+  Result<double> Run(Runtime&, const Batch&, AttendStats&, double*, double*) { return Init(); }
+  Status Outputs(Runtime&, std::vector<float>&) { return Init(); }
+#endif
+};
+
+RunReport::Links LinksOf(const TierStats& t) {
+  return {t.bytes_host_to_hbm, t.bytes_hbm_to_host, t.bytes_host_to_disk, t.bytes_disk_to_host};
+}
+int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
+void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunReport::Links& before) {
+  acc.host_to_hbm += after.host_to_hbm - before.host_to_hbm;
+  acc.hbm_to_host += after.hbm_to_host - before.hbm_to_host;
+  acc.host_to_disk += after.host_to_disk - before.host_to_disk;
+  acc.disk_to_host += after.disk_to_host - before.disk_to_host;
+}
+
+// Recall, mass recall, error, slack and exact-search cost of one (step, layer),
+// summed over its sequences.
+struct LayerDiagnostics {
+  double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
+  int sequences = 0;
+};
+
+// A diagnosed step's recall diagnostics, after the step (outside its timing;
+// each layer's K/V and summaries stay as they were until its next append):
+// per layer the K/V and Quest scores are gathered, then the dense scoring
+// and the exact top-R search (seconds of CPU a layer at 128K, a minute at
+// 1M) run on worker threads, at most max_inflight_ layers at a time (bounded
+// by memory: each holds its gathered K/V), each layer's query heads spread
+// over the cores left to it, all joined before the next step starts.
+class Diagnostics {
+ public:
+  explicit Diagnostics(std::size_t view_bytes) {
+    const std::size_t cap = std::size_t(8) << 30;  // gathered K/V in flight
+    const std::size_t threads = std::max(1u, std::thread::hardware_concurrency());
+    max_inflight_ = std::max<std::size_t>(1, std::min(threads, cap / std::max<std::size_t>(view_bytes, 1)));
+    head_threads_ = int(std::max<std::size_t>(1, threads / max_inflight_));
+  }
+  ~Diagnostics() {
+    for (auto& f : inflight_) f.wait();
+  }
+
+  Status Add(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q, const float* out,
+             const std::vector<PageSelection>& sels, RunReport& r) {
+    const Geometry& g = o.config.geometry;
+    const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
+    const std::size_t B = batch.ids.size();
+    // Joined first, so that at most max_inflight_ gathered views exist at once.
+    while (inflight_.size() >= max_inflight_) QKV_RETURN_IF_ERROR(Join(r));
+    auto views = std::make_shared<std::vector<DenseView>>(B);
+    auto scores = std::make_shared<std::vector<std::vector<float>>>(B);
+    for (std::size_t b = 0; b < B; ++b) {
+      QKV_ASSIGN_OR_RETURN((*views)[b], rt.Gather(batch.ids[b], layer));
+      QKV_ASSIGN_OR_RETURN((*scores)[b], rt.Scores(batch.ids[b], layer, q + b * qstride));
+    }
+    inflight_.push_back(std::async(
+        std::launch::async, [g, top_r = o.top_r, threads = head_threads_, views, scores, sels,
+                             qv = std::vector<float>(q, q + B * qstride),
+                             ov = std::vector<float>(out, out + B * qstride), qstride]() -> Result<LayerDiagnostics> {
+          LayerDiagnostics d;
+          for (std::size_t b = 0; b < views->size(); ++b) {
+            const DenseView& view = (*views)[b];
+            const float* sc = (*scores)[b].data();
+            QKV_ASSIGN_OR_RETURN(StepDiagnostics s,
+                                 Diagnose(g, qv.data() + b * qstride, view, sels[b], sc, ov.data() + b * qstride,
+                                          top_r, threads));
+            QKV_ASSIGN_OR_RETURN(ExactTopR exact,
+                                 ExactTopRSearch(g, qv.data() + b * qstride, view, sc, top_r, threads));
+            const int pages = int((view.tokens + g.page_size - 1) / g.page_size);
+            double read = 0;
+            for (int32_t n : exact.pages_read) read += double(n) / pages;
+            d.page_recall += s.page_recall;
+            d.attention_mass_recall += s.attention_mass_recall;
+            d.output_rel_error += s.output_rel_error;
+            d.slack_mean += s.slack_mean;
+            d.read_fraction += read / double(exact.pages_read.size());
+            ++d.sequences;
+          }
+          return d;
+        }));
+    return Status::Ok();
+  }
+
+  // Waits for every layer still in flight and adds it to the report.
+  Status Finish(RunReport& r) {
+    while (!inflight_.empty()) QKV_RETURN_IF_ERROR(Join(r));
+    return Status::Ok();
+  }
+
+ private:
+  Status Join(RunReport& r) {
+    Result<LayerDiagnostics> res = inflight_.front().get();
+    inflight_.pop_front();
+    QKV_RETURN_IF_ERROR(res.status());
+    const LayerDiagnostics& d = *res;
+    r.page_recall += d.page_recall;
+    r.attention_mass_recall += d.attention_mass_recall;
+    r.output_rel_error += d.output_rel_error;
+    r.slack_mean += d.slack_mean;
+    r.exact_pages_read_fraction += d.read_fraction;
+    r.diagnosed += d.sequences;
+    return Status::Ok();
+  }
+
+  std::size_t max_inflight_ = 1;
+  int head_threads_ = 1;
+  std::deque<std::future<Result<LayerDiagnostics>>> inflight_;
+};
+
+Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r, MetricsRegistry* metrics) {
+  const Geometry& g = o.config.geometry;
+  const int B = int(batch.ids.size());
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
+  std::vector<float> k(row * B), v(row * B), q(qstride * B), out(qstride * B);
+  std::vector<PageSelection> sels;
+  std::vector<float> dense_out(out.size());
+  double append_us = 0;
+  int64_t comparison_hits = 0, comparison_misses = 0;
+  // Dense attention is timed beside Quest only when every page is in memory.
+  const bool in_memory = o.config.disk_dir.empty() && o.config.hbm_bytes == 0 && o.config.host_bytes == 0;
+  AttendStats stats;
+  int64_t longest = 0;
+  for (int64_t len : batch.lengths) longest = std::max(longest, len + o.decode_steps);
+  Diagnostics diagnostics(std::size_t(B) * 2 * std::size_t(longest) * row * sizeof(float));
+  struct Deferred {
+    int layer;
+    std::vector<float> q, out;
+    std::vector<PageSelection> sels;
+  };
+  std::vector<Deferred> deferred;
+  Progress bar("decode", o.decode_steps, o.progress);
+  // The CUDA backend's phases are timed on every 4th step from step 1 (a
+  // timed step is launched directly, not replayed from its graph; step 0
+  // pays the one-off costs: module loads, graph captures, list growth); the
+  // CPU's on all. Means per step are reported: the phases of a step add up
+  // to at most its time, and so do their means (medians would not).
+  auto timed_step = [&](int64_t step) {
+    if (o.config.backend != Backend::kCuda) return true;
+    return o.decode_steps == 1 || step % 4 == 1;
+  };
+  // Whether timing the phases changed how the step ran (see step_latency_us).
+  auto instrumented = [&](int64_t step) {
+    return o.config.backend == Backend::kCuda && timed_step(step) && o.decode_steps > 1;
+  };
+  int64_t timed_steps = 0;
+  std::vector<double> enqueue_steps;
+  std::unique_ptr<DeviceStep> device;
+  if (o.device_decode) {
+    device = std::make_unique<DeviceStep>(g, B);
+    QKV_RETURN_IF_ERROR(device->Init());
+  }
+  std::vector<float> step_out;
+  // Dense offload, measured on a few layers before the first step: every
+  // page streamed from pinned host memory (at most 1 GiB of it, the rest scaled).
+  if (o.config.backend == Backend::kCuda && o.decode_steps > 0)
+    for (int layer = 0; layer < g.layers && r.offload_layers < 2; ++layer) {
+      if (o.config.policy.is_dense(layer)) continue;
+      int64_t bytes = 0;
+      QKV_ASSIGN_OR_RETURN(double us, rt.TimeDenseOffload(batch.ids, layer, std::size_t(1) << 30, 5, &bytes));
+      r.offload_us_per_layer += us;
+      ++r.offload_layers;
+    }
+  // What dense offload would stream at a layer this step: every page of it.
+  auto count_offload = [&](int layer) -> Status {
+    for (int b = 0; b < B; ++b) {
+      QKV_ASSIGN_OR_RETURN(int64_t len, rt.Length(batch.ids[b], layer));
+      const int64_t pages = (len + g.page_size - 1) / g.page_size;
+      r.dense_offload_bytes += pages * int64_t(g.page_bytes());
+    }
+    return Status::Ok();
+  };
+  // The step's new K/V row and query of every sequence at a layer, into k, v, q.
+  auto generate = [&](int layer, int64_t step) {
+    for (int b = 0; b < B; ++b) {
+      batch.workloads[b].Tokens(layer, batch.lengths[b] + step, 1, k.data() + b * row, v.data() + b * row);
+      batch.workloads[b].Query(layer, step, q.data() + b * qstride);
+    }
+  };
+  // The (sparse) layers a diagnosed step diagnoses.
+  auto diagnosed_layer = [&](int layer) {
+    return !o.config.policy.is_dense(layer) &&
+           (o.recall_layers.empty() ||
+            std::find(o.recall_layers.begin(), o.recall_layers.end(), layer) != o.recall_layers.end());
+  };
+  for (int64_t step = 0; step < o.decode_steps; ++step) {
+    const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
+    // Diagnosed steps go through the host calls: they need the selections.
+    const bool on_device = device && !diagnose;
+    stats.time_phases = timed_step(step);
+    timed_steps += stats.time_phases;
+    double step_seconds = 0;
+    const TierStats step_before = rt.tier_stats();
+    const int64_t graphs_before = stats.graphs_captured;
+    const int64_t comparison_hits_before = comparison_hits, comparison_misses_before = comparison_misses;
+    if (on_device) {
+      for (int layer = 0; layer < g.layers; ++layer) {
+        generate(layer, step);
+        device->Stage(layer, k.data(), v.data(), q.data());
+      }
+      double enqueue_s = 0;
+      QKV_ASSIGN_OR_RETURN(step_seconds, device->Run(rt, batch, stats, &append_us, &enqueue_s));
+      enqueue_steps.push_back(1e6 * enqueue_s);
+      QKV_RETURN_IF_ERROR(device->Outputs(rt, step_out));
+      for (int layer = 0; layer < g.layers; ++layer) {
+        Digest(r.output_digest, step_out.data() + std::size_t(layer) * out.size(), out.size());
+        QKV_RETURN_IF_ERROR(count_offload(layer));
+      }
+    }
+    for (int layer = 0; !on_device && layer < g.layers; ++layer) {
+      generate(layer, step);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int b = 0; b < B; ++b)
+        QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
+      const auto t1 = std::chrono::steady_clock::now();
+      // Selections are read back only when the diagnostics need them.
+      const bool diagnose_layer = diagnose && diagnosed_layer(layer);
+      QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(),
+                                             diagnose_layer ? &sels : nullptr, &stats));
+      const auto t2 = std::chrono::steady_clock::now();
+      append_us += 1e6 * std::chrono::duration<double>(t1 - t0).count();
+      step_seconds += std::chrono::duration<double>(t2 - t0).count();
+      if (diagnose_layer && in_memory) {
+        // Dense attention in memory over the same K/V, for comparison; its
+        // cache lookups are not part of the run's traffic.
+        const TierStats before = rt.tier_stats();
+        QKV_RETURN_IF_ERROR(rt.DenseAttention(batch.ids, layer, q.data(), dense_out.data()));
+        const TierStats after = rt.tier_stats();
+        comparison_hits += after.hbm_hits - before.hbm_hits;
+        comparison_misses += after.hbm_misses - before.hbm_misses;
+        r.compared_dense_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count();
+        r.compared_quest_us += 1e6 * std::chrono::duration<double>(t2 - t1).count();
+        ++r.compared_layers;
+      }
+      Digest(r.output_digest, out.data(), out.size());
+      QKV_RETURN_IF_ERROR(count_offload(layer));
+      if (diagnose_layer) deferred.push_back({layer, q, out, sels});
+    }
+    {
+      const TierStats after = rt.tier_stats();
+      RunReport::StepRecord rec;
+      rec.us = step_seconds * 1e6;
+      // A diagnosed step of the device-pointer decode ran through the host calls.
+      rec.instrumented = instrumented(step) || (device && diagnose);
+      rec.graphs_captured = stats.graphs_captured - graphs_before;
+      rec.query = batch.workloads[0].Target(step).kind;
+      rec.hits = after.hbm_hits - step_before.hbm_hits - (comparison_hits - comparison_hits_before);
+      rec.misses = after.hbm_misses - step_before.hbm_misses - (comparison_misses - comparison_misses_before);
+      rec.host_link_bytes = HostLinkBytes(LinksOf(after)) - HostLinkBytes(LinksOf(step_before));
+      rec.cold_misses = after.cold_misses - step_before.cold_misses;
+      rec.cold_stalls = after.cold_stalls - step_before.cold_stalls;
+      rec.pages_skipped = after.pages_skipped - step_before.pages_skipped;
+      r.steps.push_back(rec);
+      if (metrics) {
+        TierStats t = after;
+        t.hbm_hits -= comparison_hits;
+        t.hbm_misses -= comparison_misses;
+        metrics->ObserveStep(step_seconds * 1e6);
+        metrics->Publish(t);
+      }
+    }
+    r.pages_peak = std::max(r.pages_peak, rt.live_pages());
+    if (!deferred.empty()) {
+      const RunReport::Links before = LinksOf(rt.tier_stats());
+      for (const Deferred& d : deferred)
+        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, d.layer, d.q.data(), d.out.data(), d.sels, r));
+      QKV_RETURN_IF_ERROR(diagnostics.Finish(r));
+      AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
+      deferred.clear();
+    }
+    bar.Update(step + 1);
+  }
+  std::vector<double> step_us, instrumented_us;
+  for (const RunReport::StepRecord& rec : r.steps) (rec.instrumented ? instrumented_us : step_us).push_back(rec.us);
+  r.step_latency_us = Summarise(std::move(step_us));
+  r.step_latency_instrumented_us = Summarise(std::move(instrumented_us));
+  if (r.offload_layers > 0) r.offload_us_per_layer /= r.offload_layers;
+  r.comparison_hits = comparison_hits;
+  r.comparison_misses = comparison_misses;
+  const double steps = std::max<double>(1, double(o.decode_steps));
+  const double timed = std::max<double>(1, double(timed_steps));
+  r.step_breakdown_us = {append_us / steps, stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
+  r.enqueue_us = Summarise(std::move(enqueue_steps));
+  r.head_pages_selected = stats.head_pages_selected;
+  r.head_pages_total = stats.head_pages_total;
+  r.kv_bytes_read = stats.kv_bytes_read;
+  r.summary_bytes_read = stats.summary_bytes_read;
+  if (r.diagnosed > 0) {
+    const double n = r.diagnosed;
+    r.page_recall /= n;
+    r.attention_mass_recall /= n;
+    r.output_rel_error /= n;
+    r.slack_mean /= n;
+    r.exact_pages_read_fraction /= n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+int64_t DiagnosedTokensMin(const RunOptions& o) { return o.context_tokens - 7 * int64_t(o.batch - 1) + 1; }
+
+Status CheckRunOptions(const RunOptions& o) {
+  if (o.context_tokens < 1) return Status::InvalidArgument("--context must be >= 1");
+  if (o.decode_steps < 0) return Status::InvalidArgument("--steps must be >= 0");
+  if (o.batch < 1) return Status::InvalidArgument("--batch must be >= 1");
+  if (o.context_tokens - 7 * int64_t(o.batch - 1) < 1)
+    return Status::InvalidArgument("--batch " + std::to_string(o.batch) + " needs --context " +
+                                   std::to_string(7 * int64_t(o.batch - 1) + 1) + " or more (sequence b holds " +
+                                   "--context - 7b tokens), not " + std::to_string(o.context_tokens));
+  if (o.top_r < 1) return Status::InvalidArgument("--top-r must be >= 1");
+  for (int layer : o.recall_layers) {
+    if (layer < 0 || layer >= o.config.geometry.layers)
+      return Status::InvalidArgument("--recall-layers: " + std::to_string(layer) + " is not a layer (0.." +
+                                     std::to_string(o.config.geometry.layers - 1) + ")");
+    if (o.config.policy.is_dense(layer))
+      return Status::InvalidArgument("--recall-layers: layer " + std::to_string(layer) +
+                                     " is dense (--dense-layers): it attends every page, there is no selection "
+                                     "to diagnose");
+  }
+  const bool diagnoses = o.recall_every > 0 && o.decode_steps > 0;
+  if (diagnoses && o.top_r > DiagnosedTokensMin(o))
+    return Status::InvalidArgument(
+        "--top-r " + std::to_string(o.top_r) + " is more than the " + std::to_string(DiagnosedTokensMin(o)) +
+        " tokens the shortest sequence holds when first diagnosed (--context " + std::to_string(o.context_tokens) +
+        (o.batch > 1 ? " - 7 x (--batch " + std::to_string(o.batch) + " - 1)" : "") +
+        " + 1 decoded); lower --top-r, raise --context, or give --recall-every 0");
+  return Status::Ok();
+}
+
+Result<RunReport> RunJob(const RunOptions& o) {
+  QKV_RETURN_IF_ERROR(CheckRunOptions(o));
+  RunReport r;
+  r.options = o;
+  r.output_digest = 14695981039346656037ull;
+  if (auto topo = DiscoverTopology(); topo.ok()) r.topology = topo->ToString();
+  QKV_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> rt, Runtime::Create(o.config));
+  std::unique_ptr<MetricsRegistry> metrics;
+  std::unique_ptr<MetricsServer> server;
+  if (o.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsRegistry>();
+    QKV_ASSIGN_OR_RETURN(server, MetricsServer::Start(o.metrics_port, metrics.get()));
+    std::fprintf(stderr, "questkv: metrics on http://127.0.0.1:%d/metrics\n", server->port());
+  }
+  QKV_ASSIGN_OR_RETURN(Batch batch, MakeBatch(*rt, o));
+  const auto t0 = std::chrono::steady_clock::now();
+  QKV_RETURN_IF_ERROR(o.gpu_workload ? PrefillOnGpu(*rt, o, batch) : Prefill(*rt, o, batch));
+  r.prefill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const RunReport::Links after_prefill = LinksOf(rt->tier_stats());
+  r.bytes_moved_prefill = after_prefill;
+  if (metrics) metrics->Publish(rt->tier_stats());
+  QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r, metrics.get()));
+  r.tiers = rt->tier_stats();
+  r.tiers.hbm_hits -= r.comparison_hits;
+  r.tiers.hbm_misses -= r.comparison_misses;
+  AddDiff(r.bytes_moved, LinksOf(r.tiers), after_prefill);
+  AddDiff(r.bytes_moved, RunReport::Links{}, r.bytes_moved_diagnostics);
+  r.dense_kv_bytes = r.head_pages_total * int64_t(o.config.geometry.head_page_elems()) * 2 *
+                     int64_t(DTypeBytes(o.config.geometry.dtype));
+  if (server && o.metrics_linger_ms > 0) {
+    // The report is final: print it now so a scraper can compare while we linger.
+    std::fprintf(stderr, "questkv: run done; metrics served for %d ms more\n", o.metrics_linger_ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(o.metrics_linger_ms));
+  }
+  for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
+  if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
+  return r;
+}
+
+namespace {
+std::string Hex(uint64_t v) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+std::string Mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", double(bytes) / (1 << 20));
+  return buf;
+}
+}  // namespace
+
+namespace {
+template <typename... Args>
+void Line(std::string& out, const char* fmt, Args... args) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  out += buf;
+}
+double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
+
+// The steps of one query kind, summarised.
+struct KindSummary {
+  QueryKind kind = QueryKind::kRandom;
+  int steps = 0;
+  Percentiles us;
+  int64_t hits = 0, misses = 0, host_link_bytes = 0;
+};
+std::vector<KindSummary> ByQueryKind(const std::vector<RunReport::StepRecord>& steps) {
+  std::vector<KindSummary> out;
+  for (QueryKind kind : {QueryKind::kRecent, QueryKind::kTopic, QueryKind::kEntity, QueryKind::kReversal,
+                         QueryKind::kNeedle, QueryKind::kRandom}) {
+    KindSummary k;
+    k.kind = kind;
+    std::vector<double> us;
+    for (const RunReport::StepRecord& s : steps) {
+      if (s.query != kind) continue;
+      ++k.steps;
+      if (!s.instrumented) us.push_back(s.us);
+      k.hits += s.hits, k.misses += s.misses, k.host_link_bytes += s.host_link_bytes;
+    }
+    if (k.steps == 0) continue;  // (latency over its steps run as in production only)
+    k.us = Summarise(std::move(us));
+    out.push_back(k);
+  }
+  return out;
+}
+}  // namespace
+
+std::string FormatReport(const RunReport& r) {
+  const RunOptions& o = r.options;
+  const SelectionPolicy& p = o.config.policy;
+  const TierStats& t = r.tiers;
+  std::string dense, out;
+  for (int l : p.dense_layers) dense += (dense.empty() ? "" : ",") + std::to_string(l);
+  const long long steps = static_cast<long long>(o.decode_steps);
+  Line(out, "questkv run — %s backend\n", std::string(BackendName(o.config.backend)).c_str());
+  Line(out, "  machine            %s\n", r.topology.c_str());
+  Line(out, "  geometry           %s\n", o.config.geometry.ToString().c_str());
+  Line(out, "  workload           %s, seed %llu, batch %d, context %lld tokens, %lld decode steps\n",
+       std::string(WorkloadKindName(o.workload)).c_str(), static_cast<unsigned long long>(o.seed), o.batch,
+       static_cast<long long>(o.context_tokens), steps);
+  Line(out, "  policy             budget %lld tokens, sink %d + local %d pages, gqa %s, dense layers [%s]\n",
+       static_cast<long long>(p.token_budget), p.sink_pages, p.local_pages, std::string(GqaModeName(p.gqa)).c_str(),
+       dense.c_str());
+  Line(out, "  tiers              hbm %s (peak %s), host %s (peak %s), disk %s (peak %s), summaries %s; cold miss %s\n",
+       Mib(int64_t(t.hbm_capacity_bytes)).c_str(), Mib(int64_t(t.hbm_peak_bytes)).c_str(),
+       Mib(int64_t(t.host_capacity_bytes)).c_str(), Mib(int64_t(t.host_peak_bytes)).c_str(),
+       Mib(int64_t(t.disk_capacity_bytes)).c_str(), Mib(int64_t(t.disk_peak_bytes)).c_str(),
+       Mib(int64_t(t.summary_bytes)).c_str(), std::string(ColdMissPolicyName(o.config.cold_miss)).c_str());
+  Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
+  Line(out, "  decode calls       %s\n",
+       o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed steps: host floats)"
+                       : "host floats, each call waits for its output");
+  Line(out, "  step latency       p50 %.0f us, p99 %.0f us, mean %.0f us (all %d layers, whole batch)\n",
+       r.step_latency_us.p50, r.step_latency_us.p99, r.step_latency_us.mean, o.config.geometry.layers);
+  if (r.step_latency_instrumented_us.p50 > 0)
+    Line(out, "                     steps timed phase by phase (launched directly, not replayed): p50 %.0f us, "
+              "kept out of the above\n", r.step_latency_instrumented_us.p50);
+  const RunReport::Breakdown& bd = r.step_breakdown_us;
+  Line(out, "  step breakdown     append %.0f us, select %.0f us, resolve/fetch %.0f us, attend %.0f us (means)\n",
+       bd.append, bd.select, bd.resolve, bd.attend);
+  if (o.device_decode)
+    Line(out, "  host enqueue       p50 %.0f us of the step (the rest is the GPU finishing)\n", r.enqueue_us.p50);
+  if (r.compared_layers > 0)
+    Line(out, "  against dense      %.0f us dense vs %.0f us Quest per sparse layer call (%d sampled): %.2fx\n",
+         r.compared_dense_us / r.compared_layers, r.compared_quest_us / r.compared_layers, r.compared_layers,
+         r.compared_quest_us > 0 ? r.compared_dense_us / r.compared_quest_us : 0.0);
+  if (r.offload_layers > 0) {
+    const double step_us = r.offload_us_per_layer * o.config.geometry.layers;
+    Line(out, "  dense offload      %.0f us per step streaming every page (measured on %d layers, extrapolated "
+              "to %d): Quest step %.1fx faster\n",
+         step_us, r.offload_layers, o.config.geometry.layers,
+         r.step_latency_us.p50 > 0 ? step_us / r.step_latency_us.p50 : 0.0);
+  }
+  Line(out, "  head-pages read    %lld of %lld (%.1f%%)\n", static_cast<long long>(r.head_pages_selected),
+       static_cast<long long>(r.head_pages_total), Pct(r.head_pages_selected, r.head_pages_total));
+  Line(out, "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n", Mib(r.kv_bytes_read).c_str(),
+       Mib(r.summary_bytes_read).c_str(), Pct(r.kv_bytes_read + r.summary_bytes_read, r.dense_kv_bytes),
+       Mib(r.dense_kv_bytes).c_str());
+  const RunReport::Links& m = r.bytes_moved;
+  Line(out, "  bytes moved        host->hbm %s, hbm->host %s, host->disk %s, disk->host %s (decode steps)\n",
+       Mib(m.host_to_hbm).c_str(), Mib(m.hbm_to_host).c_str(), Mib(m.host_to_disk).c_str(), Mib(m.disk_to_host).c_str());
+  Line(out, "  host link          %s against dense offload %s: %.2f%% (%.1f%% saved)\n", Mib(HostLinkBytes(m)).c_str(),
+       Mib(r.dense_offload_bytes).c_str(), Pct(HostLinkBytes(m), r.dense_offload_bytes),
+       100.0 - Pct(HostLinkBytes(m), r.dense_offload_bytes));
+  Line(out, "  hbm cache          hits %lld, misses %lld (%.1f%% hit), evictions %lld, read in place %lld\n",
+       static_cast<long long>(t.hbm_hits), static_cast<long long>(t.hbm_misses), Pct(t.hbm_hits, t.hbm_hits + t.hbm_misses),
+       static_cast<long long>(t.hbm_evictions), static_cast<long long>(t.hbm_bypasses));
+  for (const KindSummary& k : ByQueryKind(r.steps))
+    Line(out, "  %-18s %d steps, p50 %.0f us, host link %s a step, %.1f%% hit\n",
+         ("query " + std::string(QueryKindName(k.kind))).c_str(), k.steps, k.us.p50,
+         Mib(k.host_link_bytes / k.steps).c_str(), Pct(k.hits, k.hits + k.misses));
+  Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld "
+       "(%lld ahead of need), I/O errors %lld, corruptions %lld\n",
+       static_cast<long long>(t.cold_misses), static_cast<long long>(t.cold_stalls),
+       static_cast<long long>(t.pages_skipped), static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+       static_cast<long long>(t.prefetches),
+       static_cast<long long>(t.io_errors), static_cast<long long>(t.corruptions));
+  if (r.diagnosed == 0) {
+    Line(out, "  recall             not sampled (--recall-every 0, or every layer dense)\n");
+  } else {
+    std::string layers = "every sparse layer";
+    if (!o.recall_layers.empty()) {
+      layers = "layers";
+      for (std::size_t i = 0; i < o.recall_layers.size(); ++i)
+        layers += (i ? "," : " ") + std::to_string(o.recall_layers[i]);
+    }
+    Line(out, "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e (every %d steps, %s)\n",
+         r.diagnosed, r.page_recall, r.attention_mass_recall, r.output_rel_error, o.recall_every, layers.c_str());
+    Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
+         r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
+  }
+  Line(out, "  output digest      %s\n", Hex(r.output_digest).c_str());
+  return out;
+}
+
+namespace {
+void LinksJson(JsonWriter& j, std::string_view key, const RunReport::Links& l) {
+  j.BeginObject(key)
+      .Field("host_to_hbm", l.host_to_hbm)
+      .Field("hbm_to_host", l.hbm_to_host)
+      .Field("host_to_disk", l.host_to_disk)
+      .Field("disk_to_host", l.disk_to_host)
+      .EndObject();
+}
+void TierJson(JsonWriter& j, std::string_view key, uint64_t capacity, uint64_t peak, uint64_t used) {
+  j.BeginObject(key).Field("capacity_bytes", capacity).Field("peak_bytes", peak).Field("used_bytes", used).EndObject();
+}
+}  // namespace
+
+std::string ReportJson(const RunReport& r) {
+  const RunOptions& o = r.options;
+  const Geometry& g = o.config.geometry;
+  const SelectionPolicy& p = o.config.policy;
+  JsonWriter j;
+  j.BeginObject();
+  j.Field("backend", BackendName(o.config.backend)).Field("machine", r.topology);
+  j.BeginObject("geometry")
+      .Field("layers", g.layers)
+      .Field("q_heads", g.q_heads)
+      .Field("kv_heads", g.kv_heads)
+      .Field("head_dim", g.head_dim)
+      .Field("page_size", g.page_size)
+      .Field("dtype", DTypeName(g.dtype))
+      .Field("summary_dtype", SummaryDTypeName(g.summary_dtype))
+      .EndObject();
+  j.Field("workload", WorkloadKindName(o.workload)).Field("seed", o.seed).Field("batch", o.batch);
+  j.Field("context_tokens", o.context_tokens).Field("decode_steps", o.decode_steps);
+  j.Field("token_budget", p.token_budget).Field("sink_pages", p.sink_pages).Field("local_pages", p.local_pages);
+  j.Field("gqa", GqaModeName(p.gqa));
+  j.BeginArray("dense_layers");
+  for (int l : p.dense_layers) j.Value(l);
+  j.EndArray();
+  LinksJson(j, "bytes_moved", r.bytes_moved);
+  LinksJson(j, "bytes_moved_prefill", r.bytes_moved_prefill);
+  LinksJson(j, "bytes_moved_diagnostics", r.bytes_moved_diagnostics);
+  j.Field("dense_offload_bytes", r.dense_offload_bytes);
+  const int64_t link = HostLinkBytes(r.bytes_moved);
+  j.Field("host_link_bytes", link);
+  j.Field("pcie_saved", r.dense_offload_bytes ? 1.0 - double(link) / double(r.dense_offload_bytes) : 0.0);
+  const TierStats& t = r.tiers;
+  j.Field("cold_miss", ColdMissPolicyName(r.options.config.cold_miss));
+  j.BeginObject("tiers");
+  TierJson(j, "hbm", t.hbm_capacity_bytes, t.hbm_peak_bytes, t.hbm_used_bytes);
+  TierJson(j, "host", t.host_capacity_bytes, t.host_peak_bytes, t.host_used_bytes);
+  TierJson(j, "disk", t.disk_capacity_bytes, t.disk_peak_bytes, t.disk_used_bytes);
+  j.Field("summary_bytes", t.summary_bytes);
+  j.EndObject();
+  j.BeginObject("hbm_cache")
+      .Field("hits", t.hbm_hits)
+      .Field("misses", t.hbm_misses)
+      .Field("hit_rate", t.hbm_hits + t.hbm_misses ? double(t.hbm_hits) / double(t.hbm_hits + t.hbm_misses) : 0.0)
+      .Field("evictions", t.hbm_evictions)
+      .Field("read_in_place", t.hbm_bypasses)
+      .EndObject();
+  j.BeginObject("disk_events")
+      .Field("cold_misses", t.cold_misses)
+      .Field("cold_stalls", t.cold_stalls)
+      .Field("pages_skipped", t.pages_skipped)
+      .Field("demotions", t.demotions)
+      .Field("promotions", t.promotions)
+      .Field("clean_drops", t.clean_drops)
+      .Field("prefetches", t.prefetches)
+      .Field("deferred_seals", t.deferred_seals)
+      .Field("demotion_orders", t.demotion_orders)
+      .Field("io_errors", t.io_errors)
+      .Field("corruptions", t.corruptions)
+      .EndObject();
+  j.Field("kv_bytes_read", r.kv_bytes_read).Field("summary_bytes_read", r.summary_bytes_read);
+  j.Field("dense_kv_bytes", r.dense_kv_bytes);
+  j.Field("head_pages_selected", r.head_pages_selected).Field("head_pages_total", r.head_pages_total);
+  j.Field("pages_peak", uint64_t(r.pages_peak));
+  j.BeginObject("recall")
+      .Field("samples", r.diagnosed)
+      .Field("top_r", o.top_r)
+      .Field("page", r.page_recall)
+      .Field("attention_mass", r.attention_mass_recall)
+      .Field("output_rel_error", r.output_rel_error)
+      .Field("slack_mean", r.slack_mean)
+      .Field("exact_pages_read_fraction", r.exact_pages_read_fraction)
+      .Field("every", o.recall_every)
+      .BeginArray("layers");  // empty: every sparse layer
+  for (int layer : o.recall_layers) j.Value(int64_t(layer));
+  j.EndArray().EndObject();
+  j.BeginObject("step_latency_us")
+      .Field("p50", r.step_latency_us.p50)
+      .Field("p99", r.step_latency_us.p99)
+      .Field("mean", r.step_latency_us.mean)
+      .EndObject();
+  j.BeginObject("step_latency_instrumented_us")
+      .Field("p50", r.step_latency_instrumented_us.p50)
+      .Field("p99", r.step_latency_instrumented_us.p99)
+      .Field("mean", r.step_latency_instrumented_us.mean)
+      .EndObject();
+  j.BeginObject("enqueue_us").Field("p50", r.enqueue_us.p50).Field("p99", r.enqueue_us.p99).EndObject();
+  j.BeginObject("step_breakdown_us")
+      .Field("append", r.step_breakdown_us.append)
+      .Field("select", r.step_breakdown_us.select)
+      .Field("resolve", r.step_breakdown_us.resolve)
+      .Field("attend", r.step_breakdown_us.attend)
+      .EndObject();
+  if (r.compared_layers > 0)
+    j.BeginObject("dense_comparison")
+        .Field("layer_calls", r.compared_layers)
+        .Field("dense_us", r.compared_dense_us / r.compared_layers)
+        .Field("quest_us", r.compared_quest_us / r.compared_layers)
+        .EndObject();
+  if (r.offload_layers > 0) {
+    const double step_us = r.offload_us_per_layer * g.layers;
+    j.BeginObject("dense_offload_time")
+        .Field("measured_layers", r.offload_layers)
+        .Field("us_per_layer", r.offload_us_per_layer)
+        .Field("step_us_extrapolated", step_us)
+        .Field("quest_speedup", r.step_latency_us.p50 > 0 ? step_us / r.step_latency_us.p50 : 0.0)
+        .EndObject();
+  }
+  j.BeginArray("by_query");
+  for (const KindSummary& k : ByQueryKind(r.steps))
+    j.BeginObject()
+        .Field("query", QueryKindName(k.kind))
+        .Field("steps", k.steps)
+        .Field("p50_us", k.us.p50)
+        .Field("mean_us", k.us.mean)
+        .Field("hits", k.hits)
+        .Field("misses", k.misses)
+        .Field("host_link_bytes", k.host_link_bytes)
+        .EndObject();
+  j.EndArray();
+  j.BeginArray("per_step");
+  for (const RunReport::StepRecord& s : r.steps)
+    j.BeginObject()
+        .Field("us", s.us)
+        .Field("instrumented", s.instrumented)
+        .Field("query", QueryKindName(s.query))
+        .Field("hits", s.hits)
+        .Field("misses", s.misses)
+        .Field("host_link_bytes", s.host_link_bytes)
+        .Field("cold_misses", s.cold_misses)
+        .Field("cold_stalls", s.cold_stalls)
+        .Field("pages_skipped", s.pages_skipped)
+        .Field("graphs_captured", s.graphs_captured)
+        .EndObject();
+  j.EndArray();
+  j.Field("prefill_seconds", r.prefill_seconds);
+  j.Field("decode_api", o.device_decode ? "device" : "host");
+  j.Field("output_digest", Hex(r.output_digest));
+  j.EndObject();
+  return j.str();
+}
+
+}  // namespace questkv::cli
