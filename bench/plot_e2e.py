@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PNG plots of bench/gpu/e2e.sh's sweep (issue #5), from its e2e-*.json reports.
+"""PNG plots of bench/gpu/e2e.sh's sweep, from its e2e-*.json reports.
 
     /usr/bin/python3 bench/plot_e2e.py RESULTS_DIR OUT_PREFIX
 

@@ -1,4 +1,4 @@
-// Communicator: the collectives that multi-GPU Quest needs (issue #6), behind
+// Communicator: the collectives that multi-GPU Quest needs, behind
 // one interface so the same context-parallel and head-parallel code runs over
 // NCCL on GPUs and over threads in CI (InProcessGroup).
 //

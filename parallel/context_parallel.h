@@ -1,5 +1,5 @@
-// Context-parallel Quest decode of one layer for one sequence (issue #6,
-// seed §2.1): the sequence's pages, with their summaries and K/V, are spread
+// Context-parallel Quest decode of one layer for one sequence (seed
+// §2.1): the sequence's pages, with their summaries and K/V, are spread
 // over the R ranks of a group (ShardLayout), and the ranks together select and
 // attend exactly what one Selector and one attention over all pages would.
 //

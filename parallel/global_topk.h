@@ -1,4 +1,4 @@
-// The global top-K of context-parallel selection (issue #6), shared by the
+// The global top-K of context-parallel selection, shared by the
 // CPU decoder (ContextParallel) and the GPU one (GpuDecoder): the step's
 // policy numbers, each rank's best K candidates per ranking row, the global
 // top-K over every rank's candidates, the selection rows, and the merge of

@@ -1,5 +1,5 @@
 // GpuDecoder: one rank's GPU share of one layer's Quest decode for a batch of
-// sequences (issue #6), the device counterpart of ContextParallel and
+// sequences, the device counterpart of ContextParallel and
 // HeadParallel. Each rank owns one CUDA device (rank r: device r % devices,
 // unless options name one; several ranks may share a device) and holds its
 // shard of the layer's pages there: K/V head-page slots in f16 and f16

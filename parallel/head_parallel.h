@@ -1,4 +1,4 @@
-// Head-parallel Quest decode of one layer for one sequence (issue #6, seed
+// Head-parallel Quest decode of one layer for one sequence (seed
 // §2.1 on tensor parallelism by head): the KV heads are split into contiguous
 // ranges, one per rank, and each rank holds every page of the sequence for
 // its heads only (K/V and summaries). Selection needs no exchange — a KV

@@ -79,6 +79,8 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.backend = static_cast<questkv::Backend>(c.backend);
   cfg.geometry.dtype = static_cast<questkv::DType>(c.dtype);
   cfg.geometry.summary_dtype = static_cast<questkv::SummaryDType>(c.summary_dtype);
+  cfg.prefetch_pages = c.prefetch_pages;
+  cfg.cuda_graphs = c.cuda_graphs != 0;
   return cfg;
 }
 
@@ -116,6 +118,8 @@ void qkv_config_default(qkv_config* c) {
   c->backend = QKV_BACKEND_CPU;
   c->dtype = QKV_DTYPE_F32;
   c->summary_dtype = QKV_SUMMARY_KV;
+  c->prefetch_pages = d.prefetch_pages;
+  c->cuda_graphs = d.cuda_graphs ? 1 : 0;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

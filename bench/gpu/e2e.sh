@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end `questkv run --backend cuda` jobs (issue #5): each named run's
+# End-to-end `questkv run --backend cuda` jobs: each named run's
 # JSON report lands in $OUT/e2e-<name>.json, then bench/gpu/e2e_table.py
 # prints the table (tiered against all-in-HBM, dense offload, PCIe saved).
 #   usage (device machine, repo root): bash bench/gpu/e2e.sh [bin_dir] [run ...]
@@ -40,7 +40,7 @@ one() {  # name, flags...
   shift
   echo "== e2e $name: $*" >&2
   local t0=$(date +%s%N)
-  if QUESTKV_PROFILE=1 $Q "$@" >"$OUT/e2e-$name.json" 2>"$OUT/e2e-$name.err"; then
+  if $Q "$@" --profile-host >"$OUT/e2e-$name.json" 2>"$OUT/e2e-$name.err"; then
     echo "   done in $((($(date +%s%N) - t0) / 1000000)) ms; $(tail -1 "$OUT/e2e-$name.err")" >&2
   else
     echo "   FAILED: $(tail -3 "$OUT/e2e-$name.err")" >&2

@@ -9,7 +9,7 @@
 # the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py); KERNELS=0 skips the
 # kernel tests and benchmarks, BENCH=0 the kernel benchmarks, E4M3=0 the benchmarks' second
 # pass with 8-bit E4M3 summaries; E2E="run ..." adds bench/gpu/e2e.sh's runs
-# (issue #5), whose table then comes last.
+# whose table then comes last.
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true

@@ -94,7 +94,7 @@ def step_table(path):
             steps[(r["geometry"], r["batch"], r["context"])] = r
         elif r.get("bench") == "device":
             summary_dtype = r.get("summary_dtype", "f16")
-    # The ideal 1/rho (seed eq. 12, issue #4) counts summaries at 1/S of the K/V bytes, as f16
+    # The ideal 1/rho (seed eq. 12) counts summaries at 1/S of the K/V bytes, as f16
     # summaries over f16 K/V are; 1-byte E4M3 summaries are half that, so their byte-count ideal,
     # 1/(1/(2S) + B/N), is printed beside it.
     summary_share = 0.5 if summary_dtype == "e4m3" else 1.0

@@ -1,4 +1,4 @@
-// Multi-GPU Quest decode (issue #6): the decode step of --layers layers (one
+// Multi-GPU Quest decode: the decode step of --layers layers (one
 // GpuDecoder per layer and rank, each holding its share of that layer's K/V)
 // for a batch at long contexts on 1 vs N GPUs, ranks on threads of this
 // process, exchanges over NCCL (or the threaded InProcessGroup with

@@ -73,6 +73,11 @@ typedef struct {
   qkv_backend backend;
   qkv_dtype dtype;
   qkv_summary_dtype summary_dtype;
+  /* tuning: pages per (sequence, layer, KV head) promoted from disk ahead of
+     need each step; CUDA backend: 1 replays a repeating decode step from a
+     captured CUDA graph, 0 launches every step directly */
+  int prefetch_pages;
+  int cuda_graphs;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

@@ -3,8 +3,8 @@
 // LaunchResolve (hits; misses gathered zero-copy from homes in mapped pinned
 // host memory, evicting LRU slots of per-sequence partition lists named by
 // part_lists), RunAttend (with last_len) — on one stream, captured in a CUDA
-// graph (issue #4: "a layer's step captured in a CUDA graph and replayed gives
-// the same result"). Two identical copies of the layer's device state: one is
+// graph: a layer's step captured in a CUDA graph and replayed gives the same
+// result. Two identical copies of the layer's device state: one is
 // stepped by the graph, the other by direct launches of the same chain, and
 // after every step the outputs, residency tables, partition lists, counters,
 // summaries and the whole slot pool must be equal bit for bit:

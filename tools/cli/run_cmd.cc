@@ -15,7 +15,13 @@ constexpr const char* kUsage =
     "backend:   --backend cpu|cuda [cpu] --dtype f32|f16|bf16 [f32 on cpu, f16 on cuda]\n"
     "           --summary-dtype kv|e4m3 [kv]: page summaries in the K/V dtype, or 8-bit codes rounded\n"
     "           outward (scores stay upper bounds; half of f16's bytes to scan on cuda)\n"
+    "           cuda tuning (each switch measures the alternative with the same binary):\n"
     "           --no-cuda-graphs (launch every decode step directly instead of replaying graphs)\n"
+    "           --no-chain-kernels (no programmatic dependent launch between a step's kernels)\n"
+    "           --no-stage-misses (no HBM staging of misses while the resolve picks victims)\n"
+    "           --gather-misses (the resolve's gather kernel fetches misses, not the attention)\n"
+    "           --split-long-rows (long rows' top-K always in several launches)\n"
+    "           --profile-host (host time of each decode phase, printed to stderr at the end)\n"
     "           --gen gpu|host [gpu on cuda]: where the prefill's K/V are generated (the same values)\n"
     "           --decode-api device|host [device on cuda]: decode calls on device pointers enqueued\n"
     "           back to back (as an engine), or host floats with each call waiting for its output\n"
@@ -105,6 +111,11 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(std::string summary_dtype, f.String("summary-dtype", "kv"));
   QKV_ASSIGN_OR_RETURN(g.summary_dtype, ParseSummaryDType(summary_dtype));
   o.config.cuda_graphs = !f.has("no-cuda-graphs");
+  o.config.cuda_chain_kernels = !f.has("no-chain-kernels");
+  o.config.cuda_stage_misses = !f.has("no-stage-misses");
+  o.config.cuda_fill_in_attention = !f.has("gather-misses");
+  o.config.cuda_split_long_rows = f.has("split-long-rows");
+  o.config.cuda_profile_host = f.has("profile-host");
   QKV_ASSIGN_OR_RETURN(std::string gen, f.String("gen", o.config.backend == Backend::kCuda ? "gpu" : "host"));
   if (gen != "gpu" && gen != "host") return Status::InvalidArgument("--gen: '" + gen + "' (gpu, host)");
   if (gen == "gpu" && o.config.backend != Backend::kCuda)
@@ -195,7 +206,8 @@ int RunMain(int argc, char** argv) {
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms"},
-              {"json", "no-progress", "no-cuda-graphs", "help"});
+              {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
+               "split-long-rows", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);
     return 2;
