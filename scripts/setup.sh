@@ -7,7 +7,8 @@ set -euo pipefail
 packages=(g++ cmake ninja-build pkg-config git
           libgtest-dev libgmock-dev libbenchmark-dev
           liburing-dev libhwloc-dev libboost-dev
-          python3 python3-numpy)
+          python3 python3-numpy
+          libtorch-dev python3-torch libopenblas0-pthread)
 
 missing=()
 for p in "${packages[@]}"; do

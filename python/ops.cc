@@ -1,0 +1,342 @@
+// PyTorch ops over questkv (DESIGN.md §8), registered with TORCH_LIBRARY as
+// torch.ops.questkv.* and torch.classes.questkv.Runtime. Two surfaces:
+//   * questkv owns the cache: a Runtime object (sequences, append, decode,
+//     dense, stats) over questkv::Runtime;
+//   * the engine owns its paged KV: update_summaries and select_pages, pure
+//     functions of an engine's paged K cache and FlashInfer-style CSR page
+//     tables, with the runtime's own selection rule (selector/select.h).
+// Every questkv error becomes a RuntimeError carrying its message; shapes,
+// dtypes, devices and contiguity are checked before anything changes.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/kernels_cpu.h"
+#include "questkv/runtime.h"
+#include "selector/select.h"
+
+namespace questkv::torch_ops {
+namespace {
+
+using at::Tensor;
+
+void Check(const Status& s) { TORCH_CHECK(s.ok(), s.ToString()); }
+template <typename T>
+T Value(Result<T> r) {
+  Check(r.status());
+  return std::move(r).value();
+}
+
+// A tensor the host API can read: float32, CPU, contiguous, of `shape`.
+void CheckHostF32(const Tensor& t, const char* name, std::vector<int64_t> shape) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor (the CUDA path takes the model dtype on the GPU)");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, not ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.sizes().vec() == shape, name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
+}
+
+void CheckIntVector(const Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kInt && t.device().is_cpu() && t.is_contiguous(), name,
+              " must be a contiguous CPU int32 vector");
+  TORCH_CHECK(t.size(0) == n, name, " has ", t.size(0), " entries, expected ", n);
+}
+
+int64_t Int(const c10::Dict<std::string, std::string>& d, const std::string& key, int64_t fallback) {
+  if (!d.contains(key)) return fallback;
+  const std::string v = d.at(key);
+  std::size_t used = 0;
+  int64_t x = 0;
+  try {
+    x = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == v.size() && !v.empty(), "questkv.Runtime: ", key, " = '", v, "' is not an integer");
+  return x;
+}
+
+template <typename T>
+T Narrow(int64_t v, const std::string& key) {
+  TORCH_CHECK(v >= std::numeric_limits<T>::min() && v <= std::numeric_limits<T>::max(), "questkv.Runtime: ", key,
+              " = ", v, " is out of range");
+  return T(v);
+}
+
+std::vector<int64_t> IntList(const c10::Dict<std::string, std::string>& d, const std::string& key,
+                             std::vector<int64_t> fallback) {
+  if (!d.contains(key)) return fallback;
+  std::vector<int64_t> out;
+  const std::string v = d.at(key);
+  std::size_t start = 0;
+  while (start < v.size()) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    c10::Dict<std::string, std::string> one;
+    one.insert(key, v.substr(start, comma - start));
+    out.push_back(Int(one, key, 0));
+    start = comma + 1;
+  }
+  return out;
+}
+
+// The Config a Runtime is built from, from string keys named as Config's
+// fields (the Python package turns keyword arguments into this).
+Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
+  static const char* kKeys[] = {"layers", "q_heads", "kv_heads", "head_dim", "page_size", "dtype", "summary_dtype",
+                                "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
+                                "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
+                                "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs"};
+  for (const auto& kv : d) {
+    const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
+    TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
+  }
+  Config c;
+  Geometry& g = c.geometry;
+  g.layers = Narrow<int>(Int(d, "layers", g.layers), "layers");
+  g.q_heads = Narrow<int>(Int(d, "q_heads", g.q_heads), "q_heads");
+  g.kv_heads = Narrow<int>(Int(d, "kv_heads", g.kv_heads), "kv_heads");
+  g.head_dim = Narrow<int>(Int(d, "head_dim", g.head_dim), "head_dim");
+  g.page_size = Narrow<int>(Int(d, "page_size", g.page_size), "page_size");
+  if (d.contains("dtype")) g.dtype = Value(ParseDType(d.at("dtype")));
+  if (d.contains("summary_dtype")) g.summary_dtype = Value(ParseSummaryDType(d.at("summary_dtype")));
+  SelectionPolicy& p = c.policy;
+  p.token_budget = Int(d, "token_budget", p.token_budget);
+  p.sink_pages = Narrow<int>(Int(d, "sink_pages", p.sink_pages), "sink_pages");
+  p.local_pages = Narrow<int>(Int(d, "local_pages", p.local_pages), "local_pages");
+  if (d.contains("gqa")) p.gqa = Value(ParseGqaMode(d.at("gqa")));
+  std::vector<int64_t> dense = IntList(d, "dense_layers", {p.dense_layers.begin(), p.dense_layers.end()});
+  p.dense_layers.clear();
+  for (int64_t l : dense) p.dense_layers.push_back(Narrow<int>(l, "dense_layers"));
+  p.layer_token_budgets = IntList(d, "layer_token_budgets", {});
+  c.max_pages = Narrow<uint32_t>(Int(d, "max_pages", c.max_pages), "max_pages");
+  c.hbm_bytes = Narrow<uint64_t>(Int(d, "hbm_bytes", 0), "hbm_bytes");
+  c.host_bytes = Narrow<uint64_t>(Int(d, "host_bytes", 0), "host_bytes");
+  if (d.contains("disk_dir")) c.disk_dir = d.at("disk_dir");
+  c.disk_bytes = Narrow<uint64_t>(Int(d, "disk_bytes", 0), "disk_bytes");
+  if (d.contains("cold_miss")) c.cold_miss = Value(ParseColdMissPolicy(d.at("cold_miss")));
+  if (d.contains("io_backend")) c.io_backend = Value(ParseIoBackendKind(d.at("io_backend")));
+  c.prefetch_pages = Narrow<int>(Int(d, "prefetch_pages", c.prefetch_pages), "prefetch_pages");
+  if (d.contains("backend")) c.backend = Value(ParseBackend(d.at("backend")));
+  c.cuda_graphs = Int(d, "cuda_graphs", 1) != 0;
+  return c;
+}
+
+// torch.classes.questkv.Runtime: questkv owns the cache.
+class RuntimeHolder : public torch::CustomClassHolder {
+ public:
+  explicit RuntimeHolder(c10::Dict<std::string, std::string> options)
+      : rt_(Value(Runtime::Create(ConfigFrom(options)))), g_(rt_->config().geometry) {}
+
+  int64_t CreateSequence() { return int64_t(Value(rt_->CreateSequence())); }
+  int64_t Fork(int64_t parent) { return int64_t(Value(rt_->Fork(Seq(parent)))); }
+  int64_t FromPrefix(int64_t parent, int64_t pages) {
+    return int64_t(Value(rt_->CreateFromPrefix(Seq(parent), pages)));
+  }
+  void Rollback(int64_t seq, int64_t tokens) { Check(rt_->Rollback(Seq(seq), tokens)); }
+  void Free(int64_t seq) { Check(rt_->Free(Seq(seq))); }
+  int64_t Length(int64_t seq, int64_t layer) { return Value(rt_->Length(Seq(seq), Layer(layer))); }
+
+  // k, v: [n][Hkv][D].
+  void Append(int64_t seq, int64_t layer, const Tensor& k, const Tensor& v) {
+    TORCH_CHECK(k.dim() == 3, "k must be [n, kv_heads, head_dim], not ", k.sizes());
+    const std::vector<int64_t> shape = {k.size(0), g_.kv_heads, g_.head_dim};
+    CheckHostF32(k, "k", shape);
+    CheckHostF32(v, "v", shape);
+    Check(rt_->Append(Seq(seq), Layer(layer), k.data_ptr<float>(), v.data_ptr<float>(), k.size(0)));
+  }
+
+  // q: [B][Hq][D] -> out [B][Hq][D]; `out` when defined is written in place.
+  Tensor Decode(std::vector<int64_t> seqs, int64_t layer, const Tensor& q, c10::optional<Tensor> out) {
+    return Attend(seqs, layer, q, std::move(out), /*dense=*/false);
+  }
+  Tensor Dense(std::vector<int64_t> seqs, int64_t layer, const Tensor& q, c10::optional<Tensor> out) {
+    return Attend(seqs, layer, q, std::move(out), /*dense=*/true);
+  }
+
+  c10::Dict<std::string, int64_t> Stats() {
+    const TierStats t = rt_->tier_stats();
+    c10::Dict<std::string, int64_t> d;
+    d.insert("bytes_host_to_hbm", t.bytes_host_to_hbm);
+    d.insert("bytes_hbm_to_host", t.bytes_hbm_to_host);
+    d.insert("bytes_host_to_disk", t.bytes_host_to_disk);
+    d.insert("bytes_disk_to_host", t.bytes_disk_to_host);
+    d.insert("hbm_hits", t.hbm_hits);
+    d.insert("hbm_misses", t.hbm_misses);
+    d.insert("cold_misses", t.cold_misses);
+    d.insert("cold_stalls", t.cold_stalls);
+    d.insert("pages_skipped", t.pages_skipped);
+    d.insert("demotions", t.demotions);
+    d.insert("promotions", t.promotions);
+    d.insert("io_errors", t.io_errors);
+    d.insert("corruptions", t.corruptions);
+    d.insert("hbm_used_bytes", int64_t(t.hbm_used_bytes));
+    d.insert("host_used_bytes", int64_t(t.host_used_bytes));
+    d.insert("disk_used_bytes", int64_t(t.disk_used_bytes));
+    d.insert("summary_bytes", int64_t(t.summary_bytes));
+    d.insert("head_pages_selected", attend_.head_pages_selected);
+    d.insert("head_pages_total", attend_.head_pages_total);
+    d.insert("kv_bytes_read", attend_.kv_bytes_read);
+    d.insert("summary_bytes_read", attend_.summary_bytes_read);
+    d.insert("live_pages", int64_t(rt_->live_pages()));
+    d.insert("live_sequences", int64_t(rt_->live_sequences()));
+    return d;
+  }
+  void Synchronize() { Check(rt_->Synchronize()); }
+
+ private:
+  static SeqId Seq(int64_t s) {
+    TORCH_CHECK(s >= 0, "sequence id ", s, " is negative");
+    return SeqId(s);
+  }
+  int Layer(int64_t layer) const {
+    TORCH_CHECK(layer >= 0 && layer < g_.layers, "layer ", layer, " is outside 0..", g_.layers - 1);
+    return int(layer);
+  }
+
+  Tensor Attend(const std::vector<int64_t>& seqs, int64_t layer, const Tensor& q, c10::optional<Tensor> out,
+                bool dense) {
+    TORCH_CHECK(!seqs.empty(), "empty batch");
+    const std::vector<int64_t> shape = {int64_t(seqs.size()), g_.q_heads, g_.head_dim};
+    CheckHostF32(q, "q", shape);
+    Tensor o = out.has_value() ? *out : at::empty(shape, q.options());
+    CheckHostF32(o, "out", shape);
+    std::vector<SeqId> ids;
+    for (int64_t s : seqs) ids.push_back(Seq(s));
+    const int l = Layer(layer);
+    AttendStats stats;
+    stats.time_phases = false;
+    Check(dense ? rt_->DenseAttention(ids, l, q.data_ptr<float>(), o.data_ptr<float>())
+                : rt_->DecodeAttention(ids, l, q.data_ptr<float>(), o.data_ptr<float>(), nullptr, &stats));
+    attend_.head_pages_selected += stats.head_pages_selected;
+    attend_.head_pages_total += stats.head_pages_total;
+    attend_.kv_bytes_read += stats.kv_bytes_read;
+    attend_.summary_bytes_read += stats.summary_bytes_read;
+    return o;
+  }
+
+  std::unique_ptr<Runtime> rt_;
+  Geometry g_;
+  AttendStats attend_;  // summed over decode calls
+};
+
+// ---- the engine owns its paged KV -----------------------------------------------
+
+// k_cache: [P][S][Hkv][D] ("NHD") or [P][Hkv][S][D] ("HND"), float32, CPU.
+// summaries: [P][Hkv][2][D] float32, written for each listed page from its
+// first lens[i] keys (1..S): exact whatever the page held before, so append
+// and rollback alike are one call on the touched pages.
+void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& pages, const Tensor& lens,
+                     const std::string& layout) {
+  TORCH_CHECK(layout == "NHD" || layout == "HND", "layout must be NHD or HND, not ", layout);
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be 4-d, not ", k_cache.sizes());
+  const int64_t P = k_cache.size(0);
+  const int64_t S = layout == "NHD" ? k_cache.size(1) : k_cache.size(2);
+  const int64_t H = layout == "NHD" ? k_cache.size(2) : k_cache.size(1);
+  const int64_t D = k_cache.size(3);
+  CheckHostF32(k_cache, "k_cache", k_cache.sizes().vec());
+  CheckHostF32(summaries, "summaries", {P, H, 2, D});
+  TORCH_CHECK(pages.dim() == 1, "pages must be a vector");
+  CheckIntVector(pages, "pages", pages.size(0));
+  CheckIntVector(lens, "lens", pages.size(0));
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  const int32_t* ln = lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < pages.size(0); ++i) {
+    TORCH_CHECK(pg[i] >= 0 && pg[i] < P, "pages[", i, "] = ", pg[i], " is outside 0..", P - 1);
+    TORCH_CHECK(ln[i] >= 1 && ln[i] <= S, "lens[", i, "] = ", ln[i], " is outside 1..", S);
+  }
+  const float* kc = k_cache.data_ptr<float>();
+  float* sm = summaries.data_ptr<float>();
+  std::vector<float> keys(std::size_t(S * D));
+  for (int64_t i = 0; i < pages.size(0); ++i) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < ln[i]; ++t) {
+        const int64_t at = layout == "NHD" ? ((pg[i] * S + t) * H + h) * D : ((pg[i] * H + h) * S + t) * D;
+        std::copy_n(kc + at, D, keys.data() + t * D);
+      }
+      const float* heads[1] = {keys.data()};
+      kernels::RebuildSummaryHeadsCpu(heads, sm + (int64_t(pg[i]) * H + h) * 2 * D, 1, int(D), ln[i]);
+    }
+  }
+}
+
+// q: [B][Hq][D]; summaries: [P][Hkv][2][D]; indptr [B+1], indices [nnz] (page
+// ids in logical order), last_page_len [B]: FlashInfer's CSR page table.
+// Returns [B][Hkv][K] int32 page ids (from `indices`), each row ascending in
+// logical order, padded with -1: the pages the runtime would attend for the
+// same summaries and policy (sink, local window and tail included).
+Tensor SelectPages(const Tensor& q, const Tensor& summaries, const Tensor& indptr, const Tensor& indices,
+                   const Tensor& last_page_len, int64_t page_size, int64_t token_budget, int64_t sink_pages,
+                   int64_t local_pages, const std::string& gqa) {
+  TORCH_CHECK(q.dim() == 3 && summaries.dim() == 4, "q must be [B, Hq, D] and summaries [P, Hkv, 2, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), P = summaries.size(0), H = summaries.size(1);
+  CheckHostF32(q, "q", {B, Hq, D});
+  CheckHostF32(summaries, "summaries", {P, H, 2, D});
+  CheckIntVector(indptr, "indptr", B + 1);
+  CheckIntVector(last_page_len, "last_page_len", B);
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  TORCH_CHECK(ip[0] == 0, "indptr[0] must be 0");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ip[b + 1] > ip[b], "sequence ", b, " holds no page");
+  CheckIntVector(indices, "indices", ip[B]);
+  const int32_t* ix = indices.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ip[B]; ++i)
+    TORCH_CHECK(ix[i] >= 0 && ix[i] < P, "indices[", i, "] = ", ix[i], " is outside 0..", P - 1);
+  Geometry g;
+  g.layers = 1, g.q_heads = int(Hq), g.kv_heads = int(H), g.head_dim = int(D), g.page_size = int(page_size);
+  SelectionPolicy p;
+  p.token_budget = token_budget;
+  p.sink_pages = int(sink_pages);
+  p.local_pages = int(local_pages);
+  p.gqa = Value(ParseGqaMode(gqa));
+  p.dense_layers.clear();
+  Check(g.Validate());
+  Check(p.Validate(g));
+  Selector selector(g, p);
+  std::vector<uint32_t> ids(ix, ix + ip[B]);
+  std::vector<PageSelection> sel(B);
+  int64_t widest = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    SelectInput in;
+    in.q = q.data_ptr<float>() + b * Hq * D;
+    in.summary_slab = summaries.data_ptr<float>();
+    in.page_ids = ids.data() + ip[b];
+    in.num_pages = ip[b + 1] - ip[b];
+    in.layer = 0;
+    Check(selector.Select(in, &sel[b]));
+    for (int h = 0; h < H; ++h) widest = std::max<int64_t>(widest, sel[b].count(h));
+  }
+  Tensor out = at::full({B, H, widest}, -1, indices.options());
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < sel[b].count(h); ++i) o[(b * H + h) * widest + i] = ix[ip[b] + sel[b].row(h)[i]];
+  return out;
+}
+
+}  // namespace
+}  // namespace questkv::torch_ops
+
+TORCH_LIBRARY(questkv, m) {
+  using questkv::torch_ops::RuntimeHolder;
+  m.class_<RuntimeHolder>("Runtime")
+      .def(torch::init<c10::Dict<std::string, std::string>>())
+      .def("create_sequence", &RuntimeHolder::CreateSequence)
+      .def("fork", &RuntimeHolder::Fork)
+      .def("from_prefix", &RuntimeHolder::FromPrefix)
+      .def("rollback", &RuntimeHolder::Rollback)
+      .def("free", &RuntimeHolder::Free)
+      .def("length", &RuntimeHolder::Length)
+      .def("append", &RuntimeHolder::Append)
+      .def("decode", &RuntimeHolder::Decode)
+      .def("dense", &RuntimeHolder::Dense)
+      .def("stats", &RuntimeHolder::Stats)
+      .def("synchronize", &RuntimeHolder::Synchronize);
+  m.def("update_summaries(Tensor k_cache, Tensor(a!) summaries, Tensor pages, Tensor lens, str layout) -> ()",
+        &questkv::torch_ops::UpdateSummaries);
+  m.def("select_pages(Tensor q, Tensor summaries, Tensor indptr, Tensor indices, Tensor last_page_len, int page_size, "
+        "int token_budget, int sink_pages, int local_pages, str gqa) -> Tensor",
+        &questkv::torch_ops::SelectPages);
+}

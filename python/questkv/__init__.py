@@ -1,0 +1,109 @@
+"""questkv for PyTorch: Quest page selection and a tiered KV cache.
+
+Two surfaces (see the project README):
+
+* questkv owns the cache: ``Runtime`` (sequences, append, decode, dense, stats);
+* the engine owns its paged KV: ``update_summaries`` and ``select_pages``, pure
+  functions of an engine's paged K cache and FlashInfer-style CSR page tables.
+
+Errors raise RuntimeError with questkv's message.
+"""
+import os
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+torch.ops.load_library(os.path.join(_HERE, "libquestkv_ops.so"))
+
+_OPTION_TYPES = {
+    "layers": int, "q_heads": int, "kv_heads": int, "head_dim": int, "page_size": int,
+    "dtype": str, "summary_dtype": str, "token_budget": int, "sink_pages": int, "local_pages": int,
+    "gqa": str, "dense_layers": list, "layer_token_budgets": list, "max_pages": int,
+    "hbm_bytes": int, "host_bytes": int, "disk_dir": str, "disk_bytes": int, "cold_miss": str,
+    "io_backend": str, "prefetch_pages": int, "backend": str, "cuda_graphs": bool,
+}
+
+
+def _options(kwargs):
+    out = {}
+    for key, value in kwargs.items():
+        kind = _OPTION_TYPES.get(key)
+        if kind is None:
+            raise TypeError(f"questkv.Runtime: unknown option '{key}'")
+        if kind is list:
+            out[key] = ",".join(str(int(x)) for x in value)
+        elif kind is bool:
+            out[key] = "1" if value else "0"
+        elif kind is int:
+            if isinstance(value, bool) or int(value) != value:
+                raise TypeError(f"questkv.Runtime: {key} must be an integer, not {value!r}")
+            out[key] = str(int(value))
+        else:
+            out[key] = str(value)
+    return out
+
+
+class Runtime:
+    """A questkv runtime owning the KV cache of a model: ``Runtime(**config)``
+    with the fields of questkv::Config (layers, q_heads, kv_heads, head_dim,
+    page_size, token_budget, sink_pages, local_pages, gqa, dense_layers,
+    max_pages, hbm_bytes, host_bytes, disk_dir, disk_bytes, cold_miss, ...).
+
+    K/V enter per layer as ``[n, kv_heads, head_dim]`` (post-RoPE keys);
+    ``decode`` takes ``q [B, q_heads, head_dim]`` for a batch of sequences at
+    one layer and returns ``out`` of the same shape (or writes ``out=``).
+    """
+
+    def __init__(self, **config):
+        self._rt = torch.classes.questkv.Runtime(_options(config))
+
+    def create_sequence(self):
+        return self._rt.create_sequence()
+
+    def fork(self, parent):
+        return self._rt.fork(parent)
+
+    def from_prefix(self, parent, pages):
+        return self._rt.from_prefix(parent, pages)
+
+    def rollback(self, seq, tokens):
+        self._rt.rollback(seq, tokens)
+
+    def free(self, seq):
+        self._rt.free(seq)
+
+    def length(self, seq, layer):
+        return self._rt.length(seq, layer)
+
+    def append(self, seq, layer, k, v):
+        self._rt.append(seq, layer, k, v)
+
+    def decode(self, seqs, layer, q, out=None):
+        return self._rt.decode(list(seqs), layer, q, out)
+
+    def dense(self, seqs, layer, q, out=None):
+        return self._rt.dense(list(seqs), layer, q, out)
+
+    def stats(self):
+        return dict(self._rt.stats())
+
+    def synchronize(self):
+        self._rt.synchronize()
+
+
+def update_summaries(k_cache, summaries, pages, lens, layout="NHD"):
+    """Rewrites ``summaries [P, kv_heads, 2, head_dim]`` (min, max) of each page
+    in ``pages`` from its first ``lens`` keys of ``k_cache`` (``[P, page_size,
+    kv_heads, head_dim]`` for NHD, ``[P, kv_heads, page_size, head_dim]`` for
+    HND)."""
+    torch.ops.questkv.update_summaries(k_cache, summaries, pages, lens, layout)
+
+
+def select_pages(q, summaries, indptr, indices, last_page_len, page_size, token_budget,
+                 sink_pages=1, local_pages=8, gqa="max"):
+    """The pages Quest attends for each (sequence, KV head): ``[B, kv_heads, K]``
+    int32 page ids from ``indices``, ascending in logical order, padded with -1.
+    ``indptr [B+1]``, ``indices``, ``last_page_len [B]`` are FlashInfer's CSR
+    page table."""
+    return torch.ops.questkv.select_pages(q, summaries, indptr, indices, last_page_len, page_size,
+                                          token_budget, sink_pages, local_pages, gqa)

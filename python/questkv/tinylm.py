@@ -1,0 +1,178 @@
+"""tinylm, the byte-level code model of shared/models/tinylm/MODEL.md, in plain
+PyTorch: a real attention workload for questkv's page selection.
+
+``load(model_dir)`` builds the model (float32 compute from the bfloat16
+weights). ``reference_loss`` runs it with PyTorch's own causal attention;
+``questkv_loss`` prefills in PyTorch, hands every layer's post-RoPE K/V to a
+``questkv.Runtime`` and decodes teacher-forced through ``rt.decode`` (Quest) or
+``rt.dense``. Both score the same positions, so their losses compare directly.
+"""
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+LAYERS, WIDTH, Q_HEADS, KV_HEADS, HEAD_DIM = 6, 384, 6, 2, 64
+GROUP = Q_HEADS // KV_HEADS  # query head h reads KV head h // GROUP
+ROPE_THETA = 500000.0
+RMS_EPS = torch.finfo(torch.float32).eps
+PREFILL_CHUNK = 512  # queries per attention chunk: bounds the [Hq, chunk, T] scores
+
+
+class TinyLM:
+    """The merged state dict as float32 tensors, read as ``m["blocks.0.qkv.weight"]``."""
+
+    def __init__(self, state):
+        self.w = {name: t.float().contiguous() for name, t in state.items()}
+
+    def __getitem__(self, name):
+        return self.w[name]
+
+
+def load(model_dir):
+    """The model from ``tinylm_part0.pt`` and ``tinylm_part1.pt`` in ``model_dir``."""
+    state = {}
+    for part in ("tinylm_part0.pt", "tinylm_part1.pt"):
+        state.update(torch.load(os.path.join(model_dir, part), map_location="cpu"))
+    return TinyLM(state)
+
+
+def rms_norm(x, weight):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) * weight
+
+
+def rope(x, pos):
+    """Rotates interleaved pairs (x[2i], x[2i+1]) of ``x [T, H, 64]`` by pos·θ^(−2i/64)."""
+    inv_freq = ROPE_THETA ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    angle = pos.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, 32]
+    cos = angle.cos().float()[:, None, :]
+    sin = angle.sin().float()[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def qkv(m, layer, x, pos):
+    """Post-RoPE q [T, 6, 64], k [T, 2, 64] and v [T, 2, 64] of block ``layer`` for ``x [T, 384]``."""
+    h = rms_norm(x, m[f"blocks.{layer}.n1.weight"]) @ m[f"blocks.{layer}.qkv.weight"].T
+    q, k, v = h.view(-1, Q_HEADS + 2 * KV_HEADS, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
+    return rope(q, pos).contiguous(), rope(k, pos).contiguous(), v.contiguous()
+
+
+def finish_block(m, layer, x, attn):
+    """The rest of block ``layer`` once attention gave ``attn [T, 6, 64]``."""
+    p = f"blocks.{layer}."
+    x = x + attn.reshape(-1, WIDTH) @ m[p + "o.weight"].T
+    h = rms_norm(x, m[p + "n2.weight"])
+    return x + (F.silu(h @ m[p + "w1.weight"].T) * (h @ m[p + "w3.weight"].T)) @ m[p + "w2.weight"].T
+
+
+def logits(m, x):
+    return rms_norm(x, m["norm.weight"]) @ m["head.weight"].T
+
+
+def causal_attention(q, k, v, start):
+    """Dense causal attention of queries ``q [Tq, 6, 64]`` at positions
+    start..start+Tq-1 over keys/values ``k, v [Tk, 2, 64]`` at positions 0..Tk-1."""
+    tq, tk = q.shape[0], k.shape[0]
+    qg = q.view(tq, KV_HEADS, GROUP, HEAD_DIM).permute(1, 2, 0, 3).reshape(KV_HEADS, GROUP * tq, HEAD_DIM)
+    scores = (qg @ k.permute(1, 2, 0)) / math.sqrt(HEAD_DIM)  # [Hkv, G*Tq, Tk]
+    q_pos = (torch.arange(tq) + start).repeat(GROUP)
+    scores.masked_fill_(torch.arange(tk)[None, :] > q_pos[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.permute(1, 0, 2)  # [Hkv, G*Tq, D]
+    return out.view(KV_HEADS, GROUP, tq, HEAD_DIM).permute(2, 0, 1, 3).reshape(tq, Q_HEADS, HEAD_DIM)
+
+
+def forward(m, tokens, cache):
+    """Runs ``tokens`` after the ``cache`` (per layer [k, v], grown in place)
+    with dense causal attention, in chunks; returns the last hidden states [T, 384]."""
+    outs = []
+    for chunk in tokens.split(PREFILL_CHUNK):
+        start = cache[0][0].shape[0]
+        pos = torch.arange(start, start + chunk.shape[0])
+        x = m["emb.weight"][chunk]
+        for layer in range(LAYERS):
+            q, k, v = qkv(m, layer, x, pos)
+            cache[layer][0] = torch.cat((cache[layer][0], k))
+            cache[layer][1] = torch.cat((cache[layer][1], v))
+            x = finish_block(m, layer, x, causal_attention(q, cache[layer][0], cache[layer][1], start))
+        outs.append(x)
+    return torch.cat(outs)
+
+
+def empty_cache():
+    return [[torch.empty(0, KV_HEADS, HEAD_DIM), torch.empty(0, KV_HEADS, HEAD_DIM)] for _ in range(LAYERS)]
+
+
+def as_tokens(data):
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def reference_loss(m, data, prefill, steps):
+    """Teacher-forced loss (nats/byte) of PyTorch's dense causal attention over
+    positions prefill..prefill+steps-1, each predicting the next byte of ``data``."""
+    tokens = as_tokens(data[: prefill + steps + 1])
+    assert tokens.shape[0] == prefill + steps + 1, "data shorter than prefill + steps + 1 bytes"
+    with torch.no_grad():
+        x = forward(m, tokens[:-1], empty_cache())[prefill:]
+        return F.cross_entropy(logits(m, x), tokens[prefill + 1:]).item()
+
+
+@dataclass
+class DecodeResult:
+    loss: float  # mean nats/byte over the decoded steps
+    ms_per_token: float  # whole decode step: six blocks, questkv calls, logits
+    questkv_ms_per_token: float  # of which rt.append + rt.decode/dense
+    stats: dict  # rt.stats() after the last step
+    logits: torch.Tensor = field(repr=False)  # [steps, 256]
+
+
+def prefill_runtime(m, rt, seq, tokens):
+    """Prefills ``tokens`` in PyTorch and appends each layer's post-RoPE K/V to ``seq``."""
+    cache = empty_cache()
+    forward(m, tokens, cache)
+    for layer, (k, v) in enumerate(cache):
+        rt.append(seq, layer, k, v)
+
+
+def decode_step(m, rt, seq, token, pos, attend):
+    """One teacher-forced token through the model with questkv attention;
+    returns (logits [256], seconds inside questkv)."""
+    x = m["emb.weight"][token][None, :]
+    pos = torch.tensor([pos])
+    in_questkv = 0.0
+    for layer in range(LAYERS):
+        q, k, v = qkv(m, layer, x, pos)
+        t0 = time.perf_counter()
+        rt.append(seq, layer, k, v)
+        out = attend([seq], layer, q)
+        in_questkv += time.perf_counter() - t0
+        x = finish_block(m, layer, x, out)
+    return logits(m, x)[0], in_questkv
+
+
+def questkv_loss(m, rt, data, prefill, steps, dense=False):
+    """Prefills ``prefill`` bytes into one sequence of ``rt``, then decodes
+    positions prefill..prefill+steps-1 teacher-forced with ``rt.decode`` (or
+    ``rt.dense``); returns a DecodeResult. The sequence is freed at the end."""
+    tokens = as_tokens(data[: prefill + steps + 1])
+    assert tokens.shape[0] == prefill + steps + 1, "data shorter than prefill + steps + 1 bytes"
+    attend = rt.dense if dense else rt.decode
+    seq = rt.create_sequence()
+    with torch.no_grad():
+        prefill_runtime(m, rt, seq, tokens[:prefill])
+        rows, in_questkv = [], 0.0
+        t0 = time.perf_counter()
+        for p in range(prefill, prefill + steps):
+            row, s = decode_step(m, rt, seq, tokens[p], p, attend)
+            rows.append(row)
+            in_questkv += s
+        elapsed = time.perf_counter() - t0
+    out = torch.stack(rows)
+    stats = rt.stats()
+    rt.free(seq)
+    return DecodeResult(loss=F.cross_entropy(out, tokens[prefill + 1:]).item(),
+                        ms_per_token=1e3 * elapsed / steps, questkv_ms_per_token=1e3 * in_questkv / steps,
+                        stats=stats, logits=out)

@@ -1,0 +1,262 @@
+"""The PyTorch ops (python/questkv) against an independent Quest written here
+in plain PyTorch: page summaries, scores, GQA aggregation, sink/local/top-K
+selection and sparse attention; plus bad inputs and the runtime's sequence
+operations. Run: PYTHONPATH=<build>/python python3 -m unittest tests/python/test_ops.py"""
+import math
+import os
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+    import questkv
+except ImportError as e:  # CI must not pass without the ops: fail, saying why
+    raise SystemExit(f"test_ops: FAILED: cannot import torch/questkv ({e}); "
+                     "build with -DQUESTKV_TORCH=ON and set PYTHONPATH=<build>/python")
+
+S, HQ, HKV, D = 4, 6, 2, 16
+G = HQ // HKV
+
+
+def ref_summaries(k, npages):
+    """k: [T, Hkv, D] -> [P, Hkv, 2, D] min/max of each page's keys."""
+    out = torch.empty(npages, k.shape[1], 2, k.shape[2])
+    for p in range(npages):
+        chunk = k[p * S:(p + 1) * S]
+        out[p, :, 0] = chunk.amin(0)
+        out[p, :, 1] = chunk.amax(0)
+    return out
+
+
+def ref_select(q, summ, budget, sink, local, gqa):
+    """q: [Hq, D], summ: [P, Hkv, 2, D] -> per KV head a sorted list of logical pages."""
+    P = summ.shape[0]
+    k_pages = budget // S
+    rows = []
+    for h in range(HKV):
+        if k_pages >= P:
+            rows.append(list(range(P)))
+            continue
+        fixed = set(range(min(sink, P))) | set(range(max(P - local, 0), P))
+        qh = q[h * G:(h + 1) * G]  # [G, D]
+        lo, hi = summ[:, h, 0], summ[:, h, 1]  # [P, D]
+        scores = torch.maximum(qh[:, None, :] * lo[None], qh[:, None, :] * hi[None]).sum(-1)  # [G, P]
+        free = [p for p in range(P) if p not in fixed]
+        need = max(k_pages - len(fixed), 0)
+
+        def top(vals):  # best `need` of the free pages, ties toward the lower index
+            return sorted(free, key=lambda p: (-float(vals[p]), p))[:need]
+
+        if gqa == "union":
+            chosen = set()
+            for g in range(G):
+                chosen |= set(top(scores[g]))
+        else:
+            agg = scores.max(0).values if gqa == "max" else scores.mean(0)
+            chosen = set(top(agg))
+        rows.append(sorted(fixed | chosen))
+    return rows
+
+
+def ref_attend(q, k, v, T, rows):
+    """Attention of q [Hq, D] over the tokens of the selected pages."""
+    out = torch.empty(HQ, D, dtype=torch.float64)
+    for h in range(HKV):
+        toks = [t for p in rows[h] for t in range(p * S, min((p + 1) * S, T))]
+        kh, vh = k[toks, h].double(), v[toks, h].double()
+        for g in range(G):
+            qi = q[h * G + g].double()
+            w = torch.softmax(kh @ qi / math.sqrt(D), 0)
+            out[h * G + g] = w @ vh
+    return out.float()
+
+
+def runtime(**kw):
+    base = dict(layers=2, q_heads=HQ, kv_heads=HKV, head_dim=D, page_size=S, token_budget=8 * S,
+                sink_pages=1, local_pages=2, dense_layers=[0], max_pages=4096)
+    base.update(kw)
+    return questkv.Runtime(**base)
+
+
+class EngineOwnedOps(unittest.TestCase):
+    def test_summaries_nhd_and_hnd_with_partial_pages(self):
+        g = torch.Generator().manual_seed(1)
+        P = 9
+        k_nhd = torch.randn(P, S, HKV, D, generator=g)
+        k_hnd = k_nhd.permute(0, 2, 1, 3).contiguous()
+        pages = torch.tensor([0, 3, 8, 5], dtype=torch.int32)
+        lens = torch.tensor([S, 1, 3, S], dtype=torch.int32)
+        for layout, kc in (("NHD", k_nhd), ("HND", k_hnd)):
+            summ = torch.full((P, HKV, 2, D), 7.0)
+            questkv.update_summaries(kc, summ, pages, lens, layout)
+            for p, n in zip(pages.tolist(), lens.tolist()):
+                self.assertTrue(torch.equal(summ[p, :, 0], k_nhd[p, :n].amin(0)), (layout, p))
+                self.assertTrue(torch.equal(summ[p, :, 1], k_nhd[p, :n].amax(0)), (layout, p))
+            self.assertTrue(torch.all(summ[1] == 7.0))  # untouched pages stay as they were
+
+    def test_select_pages_equals_the_reference_for_ragged_batches(self):
+        g = torch.Generator().manual_seed(2)
+        for gqa in ("max", "mean", "union"):
+            lens_tokens = [37, 5, 64, 17]
+            B = len(lens_tokens)
+            npages = [(t + S - 1) // S for t in lens_tokens]
+            P = sum(npages) + 3
+            perm = torch.randperm(P, generator=g)[:sum(npages)].to(torch.int32)  # scattered physical pages
+            summ = torch.randn(P, HKV, 2, D, generator=g).sort(dim=2).values  # min <= max
+            indptr = torch.tensor([0] + list(torch.tensor(npages).cumsum(0)), dtype=torch.int32)
+            last = torch.tensor([t - (n - 1) * S for t, n in zip(lens_tokens, npages)], dtype=torch.int32)
+            q = torch.randn(B, HQ, D, generator=g)
+            got = questkv.select_pages(q, summ, indptr, perm, last, S, 6 * S, 1, 2, gqa)
+            self.assertEqual(got.dtype, torch.int32)
+            for b in range(B):
+                phys = perm[indptr[b]:indptr[b + 1]]
+                want = ref_select(q[b], summ[phys.long()], 6 * S, 1, 2, gqa)
+                for h in range(HKV):
+                    row = [x for x in got[b, h].tolist() if x >= 0]
+                    self.assertEqual(row, [int(phys[p]) for p in want[h]], (gqa, b, h))
+                    self.assertTrue(all(x == -1 for x in got[b, h, len(row):].tolist()))
+
+    def test_bad_inputs_are_errors_with_messages(self):
+        summ = torch.zeros(4, HKV, 2, D)
+        q = torch.zeros(1, HQ, D)
+        ip, ix, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2], [0, 1], [3]))
+        cases = [
+            (lambda: questkv.select_pages(q.double(), summ, ip, ix, last, S, 32), "float32"),
+            (lambda: questkv.select_pages(q, summ, ip.long(), ix, last, S, 32), "int32"),
+            (lambda: questkv.select_pages(q, summ, ip, torch.tensor([0, 9], dtype=torch.int32), last, S, 32),
+             "outside"),
+            (lambda: questkv.select_pages(q, summ, ip, ix, last, S, 32, 1, 2, "median"), "GQA"),
+            (lambda: questkv.select_pages(q, summ, ip, ix, last, S, S), "fewer than sink"),
+            (lambda: questkv.update_summaries(torch.zeros(4, S, HKV, D), summ, torch.tensor([0], dtype=torch.int32),
+                                              torch.tensor([S + 1], dtype=torch.int32)), "outside 1.."),
+            (lambda: questkv.update_summaries(torch.zeros(4, HKV, D, S).transpose(2, 3), summ,
+                                              torch.tensor([0], dtype=torch.int32),
+                                              torch.tensor([1], dtype=torch.int32), "HND"), "contiguous"),
+        ]
+        for call, words in cases:
+            with self.assertRaises(RuntimeError) as cm:
+                call()
+            self.assertIn(words, str(cm.exception))
+
+
+class OwnedCache(unittest.TestCase):
+    def setUp(self):
+        self.g = torch.Generator().manual_seed(3)
+
+    def fill(self, rt, T):
+        s = rt.create_sequence()
+        k = torch.randn(T, HKV, D, generator=self.g)
+        v = torch.randn(T, HKV, D, generator=self.g)
+        for layer in range(2):
+            for start in range(0, T, 11):  # prefill chunks of odd size
+                rt.append(s, layer, k[start:start + 11].contiguous(), v[start:start + 11].contiguous())
+        return s, k, v
+
+    def test_decode_equals_reference_quest_and_dense_equals_full_attention(self):
+        for gqa in ("max", "mean", "union"):
+            rt = runtime(gqa=gqa)
+            s, k, v = self.fill(rt, 90)
+            q = torch.randn(1, HQ, D, generator=self.g)
+            got = rt.decode([s], 1, q)
+            rows = ref_select(q[0], ref_summaries(k, (90 + S - 1) // S), 8 * S, 1, 2, gqa)
+            torch.testing.assert_close(got[0], ref_attend(q[0], k, v, 90, rows), rtol=1e-5, atol=1e-5)
+            full = [list(range((90 + S - 1) // S))] * HKV
+            torch.testing.assert_close(rt.dense([s], 1, q)[0], ref_attend(q[0], k, v, 90, full), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(rt.decode([s], 0, q)[0], ref_attend(q[0], k, v, 90, full), rtol=1e-5, atol=1e-5)
+
+    def test_the_engine_owned_selection_is_the_runtimes(self):
+        rt = runtime()
+        s, k, v = self.fill(rt, 77)
+        P = (77 + S - 1) // S
+        kc = torch.zeros(P, S, HKV, D)
+        kc.view(-1, HKV, D)[:77] = k
+        summ = torch.empty(P, HKV, 2, D)
+        pages = torch.arange(P, dtype=torch.int32)
+        lens = torch.tensor([S] * (P - 1) + [77 - (P - 1) * S], dtype=torch.int32)
+        questkv.update_summaries(kc, summ, pages, lens)
+        q = torch.randn(1, HQ, D, generator=self.g)
+        sel = questkv.select_pages(q, summ, torch.tensor([0, P], dtype=torch.int32), pages,
+                                   lens[-1:].contiguous(), S, 8 * S, 1, 2, "max")
+        rows = [[p for p in sel[0, h].tolist() if p >= 0] for h in range(HKV)]
+        torch.testing.assert_close(rt.decode([s], 1, q)[0], ref_attend(q[0], k, v, 77, rows), rtol=1e-5, atol=1e-5)
+
+    def test_out_form_aliasing_and_batches(self):
+        rt = runtime()
+        a, _, _ = self.fill(rt, 50)
+        b, _, _ = self.fill(rt, 23)
+        q = torch.randn(2, HQ, D, generator=self.g)
+        want = rt.decode([a, b], 1, q)
+        out = torch.empty_like(q)
+        self.assertIs(rt.decode([a, b], 1, q, out=out), out)
+        self.assertTrue(torch.equal(out, want))
+        inout = q.clone()
+        rt.decode([a, b], 1, inout, out=inout)  # q and out may be one buffer
+        self.assertTrue(torch.equal(inout, want))
+
+    def test_sequences_fork_rollback_free(self):
+        rt = runtime()
+        s, k, v = self.fill(rt, 45)
+        c = rt.fork(s)
+        rt.rollback(c, 9)
+        self.assertEqual(rt.length(c, 1), 36)
+        self.assertEqual(rt.length(s, 1), 45)
+        p = rt.from_prefix(s, 5)
+        self.assertEqual(rt.length(p, 0), 20)
+        q = torch.randn(1, HQ, D, generator=self.g)
+        full = [list(range(9))] * HKV
+        torch.testing.assert_close(rt.dense([c], 1, q)[0], ref_attend(q[0], k, v, 36, full), rtol=1e-5, atol=1e-5)
+        for x in (s, c, p):
+            rt.free(x)
+        st = rt.stats()
+        self.assertEqual(st["live_pages"], 0)
+        self.assertEqual(st["live_sequences"], 0)
+
+    def test_bad_inputs_change_nothing(self):
+        rt = runtime()
+        s, _, _ = self.fill(rt, 20)
+        kv = torch.zeros(3, HKV, D)
+        q = torch.zeros(1, HQ, D)
+        cases = [
+            (lambda: rt.append(s, 1, kv.double(), kv.double()), "float32"),
+            (lambda: rt.append(s, 1, torch.zeros(3, HKV + 1, D), torch.zeros(3, HKV + 1, D)), "shape"),
+            (lambda: rt.append(s, 1, torch.zeros(3, D, HKV).transpose(1, 2), kv), "contiguous"),
+            (lambda: rt.append(s, 7, kv, kv), "layer 7"),
+            (lambda: rt.append(12345, 1, kv, kv), "does not exist"),
+            (lambda: rt.decode([s], 1, torch.zeros(2, HQ, D)), "shape"),
+            (lambda: rt.decode([], 1, q), "empty batch"),
+            (lambda: rt.rollback(s, 21), "rollback"),
+            (lambda: questkv.Runtime(layers=2, q_heads=6, kv_heads=4), "kv_heads"),
+            (lambda: questkv.Runtime(layers=2, cold_miss="sometimes"), "cold-miss"),
+        ]
+        for call, words in cases:
+            with self.assertRaises(RuntimeError) as cm:
+                call()
+            self.assertIn(words, str(cm.exception))
+        self.assertEqual(rt.length(s, 1), 20)
+        self.assertEqual(rt.stats()["live_sequences"], 1)
+        with self.assertRaises(TypeError):
+            questkv.Runtime(layer=2)
+
+    def test_a_tiered_runtime_gives_the_same_bits(self):
+        with tempfile.TemporaryDirectory() as disk:
+            page_bytes = 2 * HKV * S * D * 4
+            small = runtime(hbm_bytes=12 * page_bytes, host_bytes=8 * 4096, disk_dir=disk, disk_bytes=64 << 20)
+            big = runtime()
+            torch.manual_seed(5)
+            k = torch.randn(300, HKV, D)
+            v = torch.randn(300, HKV, D)
+            seqs = []
+            for rt in (small, big):
+                s = rt.create_sequence()
+                for layer in range(2):
+                    rt.append(s, layer, k, v)
+                seqs.append(s)
+            for step in range(10):
+                q = torch.randn(1, HQ, D)
+                self.assertTrue(torch.equal(small.decode([seqs[0]], 1, q), big.decode([seqs[1]], 1, q)), step)
+            self.assertGreater(small.stats()["bytes_disk_to_host"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
