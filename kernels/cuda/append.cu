@@ -115,7 +115,8 @@ cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   const int threads = p.head_dim < 256 ? p.head_dim : 256;
   QKV_DISPATCH_DTYPE(p.kv_dtype, KvT, {
     QKV_DISPATCH_SUMMARY_DTYPE(p.summary_dtype, SumT, {
-      if (const cudaError_t e = LaunchChained(AppendKernel<KvT, SumT>, grid, dim3(threads), 0, stream, p); e != cudaSuccess)
+      if (const cudaError_t e = LaunchChained(AppendKernel<KvT, SumT>, grid, dim3(threads), 0, stream, p.chain, p);
+          e != cudaSuccess)
         return e;
     })
   })

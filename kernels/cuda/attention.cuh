@@ -618,8 +618,8 @@ cudaError_t LaunchAttendTyped(const AttendPlan& plan, const AttendParams& p, cud
   QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
     QKV_DISPATCH_PAGE_SIZE(s.page_size, S, {
       QKV_DISPATCH_GROUP(s.group, G, {
-        if (const cudaError_t e = LaunchChained(AttendKernel<T, D, S, G>, grid, dim3(kAttendWarps * 32), 0, stream, p,
-                                                s.kv_heads, plan.pages_per_split, plan.splits, part);
+        if (const cudaError_t e = LaunchChained(AttendKernel<T, D, S, G>, grid, dim3(kAttendWarps * 32), 0, stream,
+                                                s.chain, p, s.kv_heads, plan.pages_per_split, plan.splits, part);
             e != cudaSuccess)
           return e;
       })

@@ -6,8 +6,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include <utility>
 
@@ -140,7 +140,7 @@ __device__ __forceinline__ float SumGroup8(float v) {
 // previous kernel has completed, so nothing it reads is stale), then
 // ChainRelease() (its own successor may now be scheduled). Both are no-ops
 // when the kernel was launched without the attribute: before sm_90, after a
-// non-kernel operation (a memset, an event), or with QUESTKV_NO_PDL=1 (the
+// non-kernel operation (a memset, an event), or with `chain` false (the
 // same binary measured both ways).
 __device__ __forceinline__ void ChainWait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -153,19 +153,12 @@ __device__ __forceinline__ void ChainRelease() {
 #endif
 }
 
-inline bool ChainingEnabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("QUESTKV_NO_PDL");
-    return !(v && v[0] == '1');
-  }();
-  return on;
-}
-
 // kernel<<<grid, block, smem, stream>>>(args...), chained to the kernel
-// before it (see above). The kernel must start with ChainWait().
+// before it (see above) when `chain` is true. The kernel must start with
+// ChainWait().
 template <typename... Params, typename... Args>
 cudaError_t LaunchChained(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
-                          Args&&... args) {
+                          bool chain, Args&&... args) {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
@@ -175,7 +168,7 @@ cudaError_t LaunchChained(void (*kernel)(Params...), dim3 grid, dim3 block, std:
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = &attr;
-  cfg.numAttrs = ChainingEnabled() ? 1 : 0;
+  cfg.numAttrs = chain ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 

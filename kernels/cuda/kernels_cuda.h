@@ -12,6 +12,14 @@
 //     cudaError_t; a size the dispatch does not cover returns
 //     cudaErrorInvalidValue and LastErrorMessage() names it.
 //
+// Chaining: on sm_90 the launches of the decode step use programmatic
+// dependent launch, so a kernel may be scheduled while the kernel before it
+// in the stream drains; it waits for that kernel to complete before it
+// reads anything, so the outputs are the same either way. Each launcher
+// takes a `chain` flag (AppendParams, SelectShape, ResolveShape and
+// AttendShape::chain, LaunchGather's argument), true by default; false
+// launches plainly, to measure the difference with the same binary.
+//
 // Layouts (DESIGN.md §3), all row-major:
 //   slot pool   [slot][2 (K,V)][S][D]   one head-page per slot
 //   summaries   [PageId][Hkv][2 (min,max)][D]
@@ -65,6 +73,7 @@ const std::string& LastErrorMessage();
 struct AppendParams {
   DType kv_dtype = DType::kF16;       // k, v, slot pool
   DType summary_dtype = DType::kF32;  // summaries: f32, f16, bf16 or e4m3
+  bool chain = true;                  // chained to the kernel before it (see the top)
   int batch = 0;
   int kv_heads = 0;
   int page_size = 0;  // S
@@ -105,6 +114,13 @@ struct SelectShape {
   int local_pages = 8;
   GqaAgg gqa = GqaAgg::kMax;
   bool dense = false;
+  // Rows of more than 16K pages: their top-K in three launches even when the
+  // one-launch kernel's grid would be resident at once. That kernel's blocks
+  // wait for each other, so it assumes they all become resident; a kernel of
+  // another stream that held SMs while it waited for this stream's later
+  // work would stall it. PlanSelect copies it into SelectPlan.
+  bool split_long_rows = false;
+  bool chain = true;  // LaunchSelect's kernels chained (see the top)
 };
 
 // Host-side plan: the output CSR's row capacities (exact counts for kMax/kMean
@@ -116,9 +132,8 @@ struct SelectPlan {
   int max_pages = 0;      // longest sequence, in pages
   int score_blocks = 0;   // grid of the score kernel
   int key_cache = 0;      // keys the top-K block keeps in shared memory
-  // Rows of more than 16K pages: their top-K phases one launch each even when
-  // the one-launch kernel's grid would be resident at once. PlanSelect sets it
-  // when QUESTKV_SPLIT_LONG_ROWS=1; tests and the bench set it to run both.
+  // SelectShape::split_long_rows, as planned; tests and the bench set it
+  // here to run both ways on one plan.
   bool split_long_rows = false;
 };
 // page_counts: host copy of each sequence's number of pages (>= 1).
@@ -154,6 +169,7 @@ struct AttendShape {
   int head_dim = 0;   // 64, 128, 256
   int page_size = 0;  // 8, 16, 32, 64
   DType dtype = DType::kF16;  // q, K/V and o; accumulation is fp32
+  bool chain = true;          // chained to the kernel before it (see the top)
 };
 
 // Split-K over pages: each row's pages are cut into `splits` chunks of
@@ -254,6 +270,7 @@ struct ResolveShape {
   // the assign while it chooses victims, and the attention reads them from
   // there; later misses it reads from their homes. 0: none staged.
   int stage_pages = 0;
+  bool chain = true;  // LaunchResolve's kernels chained (see the top)
 };
 
 struct ResolvePlan {
@@ -309,8 +326,9 @@ cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaS
 
 // The gather alone: jobs[0 .. *job_count) copy piece_bytes from k and from v
 // into dst and dst + piece_bytes, with 16-byte loads spread over every block.
+// chain: chained to the kernel before it (see the top).
 cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::size_t piece_bytes, int blocks,
-                         cudaStream_t stream);
+                         cudaStream_t stream, bool chain = true);
 
 // The resolve's fetch list in its workspace: [*count] jobs, the first ones the
 // misses filled into victim slots (the gather's jobs), then, with

@@ -497,7 +497,7 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
 }
 
 cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::size_t piece_bytes, int blocks,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, bool chain) {
   if (piece_bytes % 16 || blocks <= 0)
     return Unsupported("gather piece_bytes (multiple of 16) or blocks", (long long)piece_bytes, "16 * n");
   // The largest shared-memory carveout lets attention blocks (16+ KiB of
@@ -512,7 +512,7 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
     std::call_once(carveout[dev], [] {
       cudaFuncSetAttribute(GatherKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     });
-  return LaunchChained(GatherKernel, dim3(blocks), dim3(kGatherThreads), 0, stream, jobs, job_count,
+  return LaunchChained(GatherKernel, dim3(blocks), dim3(kGatherThreads), 0, stream, chain, jobs, job_count,
                        uint32_t(piece_bytes / 16));
 }
 
@@ -524,17 +524,18 @@ cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaS
   const int rows = s.batch * s.kv_heads;
   const int entries = int(plan.entries);
   const cudaError_t launched[] = {
-      LaunchChained(ResetKernel, dim3(1), dim3(256), 0, stream, p.cold_count, p.bypass_count, w.job_count,
+      LaunchChained(ResetKernel, dim3(1), dim3(256), 0, stream, s.chain, p.cold_count, p.bypass_count, w.job_count,
                     w.stage_count, w.misses, s.batch),
       entries > 0 ? LaunchChained(ClassifyKernel, dim3((entries + kClassifyThreads - 1) / kClassifyThreads),
-                                  dim3(kClassifyThreads), 0, stream, p, w, d, entries)
+                                  dim3(kClassifyThreads), 0, stream, s.chain, p, w, d, entries)
                   : cudaSuccess,
-      LaunchChained(AssignKernel, dim3(s.batch + plan.stage_blocks), dim3(kAssignThreads), 0, stream, p, w, d),
-      LaunchChained(FinalizeKernel, dim3(rows), dim3(kFinalizeThreads), 0, stream, p, w, d)};
+      LaunchChained(AssignKernel, dim3(s.batch + plan.stage_blocks), dim3(kAssignThreads), 0, stream, s.chain, p,
+                    w, d),
+      LaunchChained(FinalizeKernel, dim3(rows), dim3(kFinalizeThreads), 0, stream, s.chain, p, w, d)};
   for (const cudaError_t e : launched)
     if (e != cudaSuccess) return e;
   if (s.fill_in_attention) return cudaSuccess;
-  return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream);
+  return LaunchGather(w.jobs, w.job_count, plan.piece_bytes, plan.gather_blocks, stream, s.chain);
 }
 
 ResolveFillList ResolveFills(const ResolvePlan& plan, void* workspace) {

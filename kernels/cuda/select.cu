@@ -43,7 +43,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/kernels_cuda.h"
@@ -53,18 +52,6 @@ namespace questkv::kernels::cuda {
 namespace {
 
 std::size_t AlignUp(std::size_t x) { return (x + 255) & ~std::size_t(255); }
-
-// QUESTKV_SPLIT_LONG_ROWS=1: PlanSelect's default for SelectPlan::split_long_rows
-// (never LongRowKernel). Its blocks wait for each other, so it assumes they can
-// all become resident; another stream's kernel that held SMs while waiting for
-// this stream's later work would stall it.
-bool SplitLongRowsForced() {
-  static const bool on = [] {
-    const char* v = std::getenv("QUESTKV_SPLIT_LONG_ROWS");
-    return v && v[0] == '1';
-  }();
-  return on;
-}
 
 }  // namespace
 
@@ -115,7 +102,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
                                   : 0);
   plan->score_blocks = std::max(1, num_sms) * kScoreBlocksPerSm;
   plan->key_cache = std::min(plan->max_pages, kMaxKeyCache);
-  plan->split_long_rows = SplitLongRowsForced();
+  plan->split_long_rows = s.split_long_rows;
   return true;
 }
 

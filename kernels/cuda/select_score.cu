@@ -427,7 +427,7 @@ cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, floa
     const int unit = LaneUnit((long long)head_pages, sms);
     const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
     const int blocks = int(std::clamp<long long>((units + kLaneWarps - 1) / kLaneWarps, 1, 2LL * sms));
-    if (const cudaError_t e = LaunchChained(kernel, dim3(blocks), dim3(kLaneWarps * 32), smem, stream, p,
+    if (const cudaError_t e = LaunchChained(kernel, dim3(blocks), dim3(kLaneWarps * 32), smem, stream, s.chain, p,
                                             scores, st, unit);
         e != cudaSuccess)
       return e;
@@ -437,15 +437,15 @@ cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, floa
       const long long groups = (std::max(slots, 1LL) + 31) / 32;
       const int blocks = int(std::min<long long>(plan.score_blocks, (groups + kScoreWarps - 1) / kScoreWarps));
       if (const cudaError_t e = LaunchChained(ScoreKernel<QT, SumT, D, G>, dim3(blocks), dim3(kScoreWarps * 32), 0,
-                                              stream, p, scores, st);
+                                              stream, s.chain, p, scores, st);
           e != cudaSuccess)
         return e;
     }
   } else {
     const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
     const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
-    if (const cudaError_t e =
-            LaunchChained(ScoreKernelDirect<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream, p, scores, st);
+    if (const cudaError_t e = LaunchChained(ScoreKernelDirect<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream,
+                                            s.chain, p, scores, st);
         e != cudaSuccess)
       return e;
   }

@@ -688,20 +688,22 @@ cudaError_t LaunchClearMarks(const SelectPlan& plan, const SelectParams& p, uint
 
 cudaError_t LaunchLongRows(const SelectPlan& plan, const SelectParams& p, const float* scores, const LongRows& lr,
                            cudaStream_t stream) {
-  const int rows = p.shape.batch * p.shape.kv_heads;
+  const SelectShape& s = p.shape;
+  const int rows = s.batch * s.kv_heads;
   const int chunks = (plan.max_pages + kEmitChunk - 1) / kEmitChunk;
   const dim3 grid(chunks, rows);
   // One launch when every block of the grid is resident at once: a row's
   // blocks wait for each other at its row-wide steps, so none may wait for
   // a block that cannot start.
   if (!plan.split_long_rows && (long long)chunks * rows <= ResidentBlocks<LongRowKernel, kEmitThreads>()) {
-    if (const cudaError_t e = LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
+    if (const cudaError_t e =
+            LaunchChained(LongRowKernel, grid, dim3(kEmitThreads), 0, stream, s.chain, p, scores, lr);
         e != cudaSuccess)
       return e;
     return cudaGetLastError();
   }
   for (auto kernel : {HistKernel, BinSelectKernel, EmitKernel})
-    if (const cudaError_t e = LaunchChained(kernel, grid, dim3(kEmitThreads), 0, stream, p, scores, lr);
+    if (const cudaError_t e = LaunchChained(kernel, grid, dim3(kEmitThreads), 0, stream, s.chain, p, scores, lr);
         e != cudaSuccess)
       return e;
   return cudaGetLastError();
@@ -717,7 +719,7 @@ cudaError_t LaunchTopK(const SelectPlan& plan, const SelectParams& p, float* sco
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;
   for (const cudaError_t e : {AllowKeyCache<TopKKernel<true>>(), AllowKeyCache<TopKKernel<false>>()})
     if (e != cudaSuccess) return e;
-  if (const cudaError_t e = LaunchChained(kernel, dim3(rows), dim3(kTopKThreads), smem, stream, p,
+  if (const cudaError_t e = LaunchChained(kernel, dim3(rows), dim3(kTopKThreads), smem, stream, s.chain, p,
                                           s.dense ? 0 : plan.key_cache, scores, marks);
       e != cudaSuccess)
     return e;
