@@ -43,7 +43,7 @@ constexpr const char* kUsage =
     "           --context - 7(batch-1) + 1; unset, it is clipped to that)\n"
     "           --json --no-progress\n"
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
-    "           --metrics-linger-ms MS (keep serving after the run)\n";
+    "           --metrics-linger-ms MS (keep serving after the run; SIGTERM ends it early)\n";
 
 // The first min(2, layers - 1) layers: dense as in Quest, but one layer
 // always stays sparse, so a small --layers still runs the selection.

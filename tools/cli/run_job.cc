@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -581,6 +582,25 @@ Status CheckRunOptions(const RunOptions& o) {
   return Status::Ok();
 }
 
+namespace {
+volatile std::sig_atomic_t g_stop_lingering = 0;
+void StopLingering(int) { g_stop_lingering = 1; }
+}  // namespace
+
+// The report is final: the server keeps serving it for `ms`, or until
+// SIGTERM or SIGINT says the scraper is done (the run then ends normally).
+void LingerForScrapes(int ms) {
+  std::fprintf(stderr, "questkv: run done; metrics served for %d ms more (SIGTERM ends it)\n", ms);
+  g_stop_lingering = 0;
+  const auto old_term = std::signal(SIGTERM, StopLingering);
+  const auto old_int = std::signal(SIGINT, StopLingering);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (!g_stop_lingering && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::signal(SIGTERM, old_term);
+  std::signal(SIGINT, old_int);
+}
+
 Result<RunReport> RunJob(const RunOptions& o) {
   QKV_RETURN_IF_ERROR(CheckRunOptions(o));
   RunReport r;
@@ -610,11 +630,7 @@ Result<RunReport> RunJob(const RunOptions& o) {
   AddDiff(r.bytes_moved, RunReport::Links{}, r.bytes_moved_diagnostics);
   r.dense_kv_bytes = r.head_pages_total * int64_t(o.config.geometry.head_page_elems()) * 2 *
                      int64_t(DTypeBytes(o.config.geometry.dtype));
-  if (server && o.metrics_linger_ms > 0) {
-    // The report is final: print it now so a scraper can compare while we linger.
-    std::fprintf(stderr, "questkv: run done; metrics served for %d ms more\n", o.metrics_linger_ms);
-    std::this_thread::sleep_for(std::chrono::milliseconds(o.metrics_linger_ms));
-  }
+  if (server && o.metrics_linger_ms > 0) LingerForScrapes(o.metrics_linger_ms);
   for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
   if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
   return r;
