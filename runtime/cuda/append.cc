@@ -37,6 +37,7 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
   kc::AppendParams p;
   p.kv_dtype = kc::DType(g_.dtype);
   p.summary_dtype = sum_dtype();
+  p.chain = c_.cuda_chain_kernels;
   p.batch = 1;
   p.kv_heads = g_.kv_heads;
   p.page_size = g_.page_size;

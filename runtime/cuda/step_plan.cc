@@ -93,6 +93,8 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.local_pages = c_.policy.local_pages;
   shape.gqa = kc::GqaAgg(c_.policy.gqa);
   shape.dense = s.dense || c_.policy.is_dense(s.layer);
+  shape.split_long_rows = c_.cuda_split_long_rows;
+  shape.chain = c_.cuda_chain_kernels;
   std::string err;
   if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);
   p.entries = p.splan.out_indptr[p.rows];
@@ -136,17 +138,19 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   // query's ~55 a layer, a topic query's ~850) are fetched while the victims
   // are chosen; the attention reads any beyond from their homes.
   const int stage_pages = c_.cuda_stage_misses ? int(kStageBytes / (2 * piece())) : 0;
-  const kc::ResolveShape rshape{p.B, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
-                                p.strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline, p.fill_in_attention,
-                                stage_pages};
+  kc::ResolveShape rshape{p.B, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
+                          p.strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline, p.fill_in_attention,
+                          stage_pages};
+  rshape.chain = c_.cuda_chain_kernels;
   // The gather on every SM: within a step nothing runs beside it (the
   // attention waits for it), so the half-grid default, which leaves SMs to
   // work on other streams, would only slow it.
   std::string err;
   if (!kc::PlanResolve(rshape, p.entries, p.part_indptr[p.B], sms_, sms_, &p.rplan, &err))
     return Status::InvalidArgument(err);
-  if (!kc::PlanAttend(kc::AttendShape{p.rows, g_.kv_heads, g_.group(), g_.head_dim, g_.page_size, p.dt},
-                      std::max(p.max_row, 1), sms_, &p.aplan, &err))
+  kc::AttendShape ashape{p.rows, g_.kv_heads, g_.group(), g_.head_dim, g_.page_size, p.dt};
+  ashape.chain = c_.cuda_chain_kernels;
+  if (!kc::PlanAttend(ashape, std::max(p.max_row, 1), sms_, &p.aplan, &err))
     return Status::InvalidArgument(err);
   // The mover counts selections for its demotion order; a dense layer's are
   // every page, known here without reading 4 bytes per head-page back.

@@ -90,7 +90,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   if (p.fill_in_attention) ap.fills = fills.jobs;
   if (const cudaError_t e = kc::RunAttend(p.aplan, ap, stream_); e != cudaSuccess) {
     // The resolve named slots for the misses: they get their bytes anyway.
-    if (p.fill_in_attention) kc::LaunchGather(fills.jobs, fills.count, piece(), sms_, stream_);
+    if (p.fill_in_attention) kc::LaunchGather(fills.jobs, fills.count, piece(), sms_, stream_, c_.cuda_chain_kernels);
     return CudaStatus("RunAttend", e);
   }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
