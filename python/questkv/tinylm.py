@@ -106,17 +106,29 @@ def empty_cache():
     return [[torch.empty(0, KV_HEADS, HEAD_DIM), torch.empty(0, KV_HEADS, HEAD_DIM)] for _ in range(LAYERS)]
 
 
-def as_tokens(data):
-    return torch.tensor(list(data), dtype=torch.long)
+def window_tokens(data, prefill, steps):
+    """The prefill + steps + 1 tokens a run reads (the last is only predicted)."""
+    tokens = torch.tensor(list(data[: prefill + steps + 1]), dtype=torch.long)
+    assert tokens.shape[0] == prefill + steps + 1, "data shorter than prefill + steps + 1 bytes"
+    return tokens
 
 
-def reference_loss(m, data, prefill, steps):
+def prefill_cache(m, data, prefill):
+    """Per layer [k, v] (post-RoPE) of the first ``prefill`` bytes of ``data``;
+    computed once, it serves any number of runs over the same window."""
+    cache = empty_cache()
+    with torch.no_grad():
+        forward(m, torch.tensor(list(data[:prefill]), dtype=torch.long), cache)
+    return cache
+
+
+def reference_loss(m, data, prefill, steps, cache=None):
     """Teacher-forced loss (nats/byte) of PyTorch's dense causal attention over
     positions prefill..prefill+steps-1, each predicting the next byte of ``data``."""
-    tokens = as_tokens(data[: prefill + steps + 1])
-    assert tokens.shape[0] == prefill + steps + 1, "data shorter than prefill + steps + 1 bytes"
+    tokens = window_tokens(data, prefill, steps)
+    cache = [list(kv) for kv in (prefill_cache(m, data, prefill) if cache is None else cache)]
     with torch.no_grad():
-        x = forward(m, tokens[:-1], empty_cache())[prefill:]
+        x = forward(m, tokens[prefill:-1], cache)
         return F.cross_entropy(logits(m, x), tokens[prefill + 1:]).item()
 
 
@@ -125,16 +137,9 @@ class DecodeResult:
     loss: float  # mean nats/byte over the decoded steps
     ms_per_token: float  # whole decode step: six blocks, questkv calls, logits
     questkv_ms_per_token: float  # of which rt.append + rt.decode/dense
+    prefill_stats: dict  # rt.stats() once the prefill is appended
     stats: dict  # rt.stats() after the last step
     logits: torch.Tensor = field(repr=False)  # [steps, 256]
-
-
-def prefill_runtime(m, rt, seq, tokens):
-    """Prefills ``tokens`` in PyTorch and appends each layer's post-RoPE K/V to ``seq``."""
-    cache = empty_cache()
-    forward(m, tokens, cache)
-    for layer, (k, v) in enumerate(cache):
-        rt.append(seq, layer, k, v)
 
 
 def decode_step(m, rt, seq, token, pos, attend):
@@ -153,26 +158,30 @@ def decode_step(m, rt, seq, token, pos, attend):
     return logits(m, x)[0], in_questkv
 
 
-def questkv_loss(m, rt, data, prefill, steps, dense=False):
-    """Prefills ``prefill`` bytes into one sequence of ``rt``, then decodes
-    positions prefill..prefill+steps-1 teacher-forced with ``rt.decode`` (or
-    ``rt.dense``); returns a DecodeResult. The sequence is freed at the end."""
-    tokens = as_tokens(data[: prefill + steps + 1])
-    assert tokens.shape[0] == prefill + steps + 1, "data shorter than prefill + steps + 1 bytes"
+def questkv_loss(m, rt, data, prefill, steps, dense=False, cache=None):
+    """Appends the prefill's K/V (``cache`` from prefill_cache, computed when
+    None) to a new sequence of ``rt``, then decodes positions
+    prefill..prefill+steps-1 teacher-forced with ``rt.decode`` (or ``rt.dense``);
+    returns a DecodeResult. The sequence is freed at the end."""
+    tokens = window_tokens(data, prefill, steps)
+    cache = prefill_cache(m, data, prefill) if cache is None else cache
     attend = rt.dense if dense else rt.decode
     seq = rt.create_sequence()
+    for layer, (k, v) in enumerate(cache):
+        if k.shape[0]:
+            rt.append(seq, layer, k, v)
+    prefill_stats = rt.stats()
+    rows, in_questkv = [], 0.0
     with torch.no_grad():
-        prefill_runtime(m, rt, seq, tokens[:prefill])
-        rows, in_questkv = [], 0.0
         t0 = time.perf_counter()
         for p in range(prefill, prefill + steps):
-            row, s = decode_step(m, rt, seq, tokens[p], p, attend)
+            row, seconds = decode_step(m, rt, seq, tokens[p], p, attend)
             rows.append(row)
-            in_questkv += s
+            in_questkv += seconds
         elapsed = time.perf_counter() - t0
     out = torch.stack(rows)
     stats = rt.stats()
     rt.free(seq)
     return DecodeResult(loss=F.cross_entropy(out, tokens[prefill + 1:]).item(),
                         ms_per_token=1e3 * elapsed / steps, questkv_ms_per_token=1e3 * in_questkv / steps,
-                        stats=stats, logits=out)
+                        prefill_stats=prefill_stats, stats=stats, logits=out)

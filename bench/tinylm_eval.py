@@ -1,0 +1,175 @@
+#!/usr/bin/python3
+"""Quest's quality cost on a real model: tinylm (shared/models/tinylm) reads
+C/C++ headers it never saw, with questkv's attention in place of its own.
+
+Held-out text: every header under --include (suffixes .h .hh .hpp .hxx),
+sorted by path and concatenated. --windows windows of --window bytes, evenly
+spaced over it; each window's first W-S bytes are prefilled in PyTorch and
+appended to questkv, its last --steps S positions decoded teacher-forced.
+Runs, each on a fresh questkv.Runtime per window:
+
+  reference   PyTorch's dense causal attention (no questkv)
+  dense       questkv decode, every layer dense
+  quest-B     questkv decode, Quest at token budget B (layers 0-1 dense,
+              1 sink + 8 local pages), for each B in --budgets
+
+Prints a table; --json PATH writes every figure. Example (2-core VM, minutes):
+  /usr/bin/python3 bench/tinylm_eval.py --windows 2 --window 4096 --steps 64
+"""
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+SUFFIXES = (".h", ".hh", ".hpp", ".hxx")
+KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 64 * 4  # layers × (K, V) × Hkv × D × f32
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=os.path.join(REPO, "..", "shared", "models", "tinylm"))
+    p.add_argument("--pythonpath", default=os.environ.get("QUESTKV_PYTHONPATH", os.path.join(REPO, "build", "python")),
+                   help="folder holding the built questkv package (default $QUESTKV_PYTHONPATH or build/python)")
+    p.add_argument("--include", default="/usr/include", help="root of the held-out headers")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--window", type=int, default=8192, help="W, tokens per window")
+    p.add_argument("--steps", type=int, default=128, help="S, decoded positions at the end of each window")
+    p.add_argument("--budgets", default="256,512,1024", help="Quest token budgets, comma-separated")
+    p.add_argument("--hbm-bytes", type=int, default=0, help="0: room for every page")
+    p.add_argument("--host-bytes", type=int, default=0, help="0: room for every page")
+    p.add_argument("--disk-dir", default="")
+    p.add_argument("--disk-bytes", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if args.windows < 1 or args.steps < 1 or args.window <= args.steps:
+        p.error("need --windows >= 1 and --window > --steps >= 1")
+    return args
+
+
+def load_modules(pythonpath):
+    """questkv from the build, tinylm from this source tree."""
+    sys.path.insert(0, pythonpath)
+    try:
+        import questkv
+    except Exception as e:
+        sys.exit(f"tinylm_eval: cannot import questkv from {pythonpath} ({type(e).__name__}: {e})")
+    spec = importlib.util.spec_from_file_location("questkv_tinylm", os.path.join(REPO, "python", "questkv", "tinylm.py"))
+    tinylm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tinylm)
+    return questkv, tinylm
+
+
+def header_files(root):
+    """(path, size) of every header under root, sorted by path."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(SUFFIXES) and os.path.isfile(path) and not os.path.islink(path):
+                found.append((path, os.path.getsize(path)))
+    return sorted(found)
+
+
+def read_span(files, start, length):
+    """Bytes start..start+length-1 of the files' concatenation."""
+    out, offset = bytearray(), 0
+    for path, size in files:
+        if offset + size > start and len(out) < length:
+            with open(path, "rb") as f:
+                f.seek(max(0, start - offset))
+                out += f.read(length - len(out))
+        offset += size
+    return bytes(out)
+
+
+def windows(files, count, length):
+    total = sum(size for _, size in files)
+    if total < length:
+        sys.exit(f"tinylm_eval: the headers hold {total} bytes, fewer than one window of {length}")
+    starts = [i * (total - length) // max(count - 1, 1) for i in range(count)]
+    return total, [(s, read_span(files, s, length)) for s in starts]
+
+
+def runtime_config(args, budget):
+    return dict(layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=16, token_budget=budget or 256,
+                sink_pages=1, local_pages=8, dense_layers=range(6) if budget is None else [0, 1], gqa="max",
+                hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
+                disk_bytes=args.disk_bytes, cold_miss="strict", backend="cpu", dtype="f32")
+
+
+def decode_figures(r):
+    """What one questkv run moved and read during its decode steps."""
+    before, after = r.prefill_stats, r.stats
+    delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
+                                               "head_pages_selected", "head_pages_total", "kv_bytes_read")}
+    return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta)
+
+
+def evaluate(args, questkv, tinylm, model, spans):
+    budgets = [int(b) for b in args.budgets.split(",")]
+    runs = {"reference": [], "dense": []} | {f"quest-{b}": [] for b in budgets}
+    prefill = args.window - args.steps
+    for i, (start, data) in enumerate(spans):
+        t0 = time.perf_counter()
+        cache = tinylm.prefill_cache(model, data, prefill)
+        runs["reference"].append(dict(loss=tinylm.reference_loss(model, data, prefill, args.steps, cache=cache)))
+        for name, budget in [("dense", None)] + [(f"quest-{b}", b) for b in budgets]:
+            rt = questkv.Runtime(**runtime_config(args, budget))
+            runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache)))
+            del rt
+        print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return runs
+
+
+def mean(rows, key):
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def print_table(args, runs):
+    dense = mean(runs["dense"], "loss")
+    offload_mib = args.window * KV_BYTES_PER_TOKEN / 2**20
+    print(f"tinylm, {args.windows} windows of {args.window} tokens, last {args.steps} decoded; means over windows")
+    print("| run | loss (nats/byte) | vs dense | step ms/token | of which questkv | "
+          "pages attended | K/V read KiB/token | host→hbm KiB/token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, rows in runs.items():
+        loss = mean(rows, "loss")
+        if name == "reference":
+            print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | — | — | all | — | — |")
+            continue
+        steps = args.steps
+        pages = sum(r["head_pages_selected"] for r in rows) / sum(r["head_pages_total"] for r in rows)
+        print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | {mean(rows, 'ms_per_token'):.2f} | "
+              f"{mean(rows, 'questkv_ms_per_token'):.2f} | {100 * pages:.1f}% | "
+              f"{mean(rows, 'kv_bytes_read') / steps / 1024:.0f} | {mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
+    print(f"A dense offload would move {offload_mib:.1f} MiB of K/V a token at this context.")
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    questkv, tinylm = load_modules(args.pythonpath)
+    model = tinylm.load(args.model_dir)
+    files = header_files(args.include)
+    total, spans = windows(files, args.windows, args.window + 1)
+    runs = evaluate(args, questkv, tinylm, model, spans)
+    print_table(args, runs)
+    if args.json:
+        corpus = dict(root=args.include, files=len(files), bytes=total,
+                      windows=[dict(start=s, sha256=hashlib.sha256(d).hexdigest()) for s, d in spans])
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), torch_threads=torch.get_num_threads(), corpus=corpus, runs=runs), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
