@@ -10,11 +10,12 @@ std::string Field(std::string_view name, long long value, std::string_view rule)
 }
 }  // namespace
 
-std::string_view DTypeName(DType d) {
+const char* DTypeName(DType d) {
   switch (d) {
     case DType::kF32: return "f32";
     case DType::kF16: return "f16";
     case DType::kBF16: return "bf16";
+    case DType::kE4M3: return "e4m3";
   }
   return "?";
 }
@@ -49,6 +50,8 @@ Status Geometry::Validate() const {
                                    std::to_string(kv_heads));
   if (head_dim < 1 || head_dim > 512) return Status::InvalidArgument(Field("head_dim", head_dim, "must be in 1..512"));
   if (page_size < 1 || page_size > 1024) return Status::InvalidArgument(Field("page_size", page_size, "must be in 1..1024"));
+  if (dtype == DType::kE4M3)
+    return Status::InvalidArgument("dtype e4m3 is for page summaries only (summary_dtype); K/V are f32, f16 or bf16");
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
     return Status::InvalidArgument(Field("dtype", int(dtype), "must be f32, f16 or bf16"));
   if (summary_dtype != SummaryDType::kKv && summary_dtype != SummaryDType::kE4M3)

@@ -31,9 +31,6 @@ namespace {
 namespace kc = kernels::cuda;
 namespace gd = gpu_decode;
 
-static_assert(int(kc::GqaAgg::kMax) == int(GqaMode::kMax) && int(kc::GqaAgg::kMean) == int(GqaMode::kMean) &&
-              int(kc::GqaAgg::kUnion) == int(GqaMode::kUnion));
-
 }  // namespace
 
 GpuDecoder::Impl::~Impl() {
@@ -131,7 +128,7 @@ Result<std::unique_ptr<GpuDecoder>> GpuDecoder::Create(const Geometry& g, const 
                                      std::to_string(g.page_size) + ")");
   std::string why;
   kc::AttendPlan probe;
-  if (!kc::PlanAttend({g.kv_heads, g.kv_heads, g.group(), g.head_dim, g.page_size, kc::DType::kF16}, 1, 1, &probe,
+  if (!kc::PlanAttend({g.kv_heads, g.kv_heads, g.group(), g.head_dim, g.page_size, DType::kF16}, 1, 1, &probe,
                       &why))
     return Status::InvalidArgument("GpuDecoder: " + why);
   int devices = 0;
@@ -261,7 +258,7 @@ Status GpuDecoder::Impl::PlanContextSelect(LayerPlan* lp) {
     }
   kc::SelectShape& s = lp->select_shape;
   s = {copies * br, g.kv_heads, unioned ? 1 : g.group(), g.head_dim, g.page_size, lp->k + 1, 0, 1,
-       unioned ? kc::GqaAgg::kMax : kc::GqaAgg(p.gqa), false};
+       unioned ? GqaMode::kMax : p.gqa, false};
   std::string why;
   if (!kc::PlanSelect(s, counts.data(), num_sms, &lp->select, &why))
     return Status::InvalidArgument("GpuDecoder: " + why);
@@ -295,7 +292,7 @@ Status GpuDecoder::Impl::PlanContextAttend(LayerPlan* lp) {
     entries += std::size_t(bound) * g.kv_heads;
   }
   std::string why;
-  if (!kc::PlanAttend({B * g.kv_heads, g.kv_heads, g.group(), g.head_dim, g.page_size, kc::DType::kF16}, max_pages,
+  if (!kc::PlanAttend({B * g.kv_heads, g.kv_heads, g.group(), g.head_dim, g.page_size, DType::kF16}, max_pages,
                       num_sms, &lp->attend, &why))
     return Status::InvalidArgument("GpuDecoder: " + why);
   QKV_RETURN_IF_ERROR(lp->attend_ws.Resize(lp->attend.workspace_bytes, /*zero=*/true));
@@ -320,7 +317,7 @@ Status GpuDecoder::Impl::PlanHead(int layer, LayerPlan* lp) {
        p.page_budget(layer, g.page_size),
        p.sink_pages,
        p.local_pages,
-       kc::GqaAgg(p.gqa),
+       p.gqa,
        p.is_dense(layer)};
   std::string why;
   if (!kc::PlanSelect(s, counts.data(), num_sms, &lp->select, &why))
@@ -328,7 +325,7 @@ Status GpuDecoder::Impl::PlanHead(int layer, LayerPlan* lp) {
   const std::vector<int32_t>& ind = lp->select.out_indptr;
   int max_pages = 0;
   for (std::size_t r = 0; r + 1 < ind.size(); ++r) max_pages = std::max(max_pages, ind[r + 1] - ind[r]);
-  if (!kc::PlanAttend({B * heads, heads, g.group(), g.head_dim, g.page_size, kc::DType::kF16}, max_pages, num_sms,
+  if (!kc::PlanAttend({B * heads, heads, g.group(), g.head_dim, g.page_size, DType::kF16}, max_pages, num_sms,
                       &lp->attend, &why))
     return Status::InvalidArgument("GpuDecoder: " + why);
   QKV_RETURN_IF_ERROR(lp->attend_ws.Resize(lp->attend.workspace_bytes, /*zero=*/true));

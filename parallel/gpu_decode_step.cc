@@ -71,7 +71,7 @@ Status GpuDecoder::Impl::UploadQ(const float* q) {
     std::memcpy(q_host.get() + b * held, q + (std::size_t(b) * g.q_heads + std::size_t(first_head) * g.group()) * dim,
                 held * sizeof(float));
   QKV_RETURN_IF_ERROR(gd::CopyAsync(q32, q_host, q_host.size(), stream));
-  QKV_CUDA(kc::LaunchConvert(q32.get(), kc::DType::kF32, q16.get(), kc::DType::kF16, q32.size(), stream));
+  QKV_CUDA(kc::LaunchConvert(q32.get(), DType::kF32, q16.get(), DType::kF16, q32.size(), stream));
   return Status::Ok();
 }
 
@@ -81,8 +81,8 @@ kc::SelectParams GpuDecoder::Impl::SelectArgs(LayerPlan& lp, const float* q, con
                                               const uint32_t* lists_ids, const int32_t* slot_of) const {
   kc::SelectParams sp;
   sp.shape = lp.select_shape;
-  sp.q_dtype = kc::DType::kF32;
-  sp.summary_dtype = kc::DType::kF16;
+  sp.q_dtype = DType::kF32;
+  sp.summary_dtype = DType::kF16;
   sp.q = q;
   sp.summaries = summaries.get();
   sp.page_indptr = lists_indptr;
@@ -174,7 +174,7 @@ Status GpuDecoder::Impl::SelectContext(Communicator& comm, LayerPlan& lp, int la
   cp.group = lp.select_shape.group;
   cp.head_dim = dim;
   cp.k = lp.k;
-  cp.mean = lp.select_shape.gqa == kc::GqaAgg::kMean;
+  cp.mean = lp.select_shape.gqa == GqaMode::kMean;
   cp.q = lp.q_select.get();
   cp.summaries = summaries.get();
   cp.page_indptr = lp.list_indptr.get();

@@ -12,7 +12,7 @@
 //     fetched from their homes, cold misses through the mover), attend.
 // Two implementations: the CPU backend (runtime/cpu_backend.cc; a bounded
 // host arena stands in for hbm, kernels/cpu do the work) and the CUDA
-// backend (runtime/cuda_backend.cc; the step on the GPU).
+// backend (runtime/cuda/: the step on the GPU).
 //
 // Thread-compatible; a backend is driven by its runtime only.
 #pragma once
@@ -114,7 +114,7 @@ class DataPlane {
   virtual BackendCounters counters() = 0;
 };
 
-// The CUDA backend (runtime/cuda_backend.cc). Unimplemented when built
+// The CUDA backend (runtime/cuda/). Unimplemented when built
 // without CUDA; FailedPrecondition without a usable GPU or with a host arena
 // that is not pinned and mapped; InvalidArgument for sizes the kernels do
 // not cover; ResourceExhausted when device memory cannot be had.

@@ -1,7 +1,7 @@
 // Quest page selection for one (sequence, layer): which logical pages each KV
 // head attends this step.
 //
-// Policy (SelectionPolicy in runtime/config.h): page budget P_b =
+// Policy (SelectionPolicy in questkv/config.h): page budget P_b =
 // floor(token_budget / S); if P_b >= num_pages or the layer is dense, every
 // page. Otherwise the sink pages (first sink_pages) and the local window (last
 // local_pages, always including the tail) are taken, and the remaining

@@ -227,7 +227,7 @@ void BenchResolve(const Shared& g, std::size_t head_page, int head_dim, double l
     CHECK(cudaMalloc(&d, bytes));
     return d;
   };
-  ResolveShape shape{B, H, S, head_dim, DType::kF16, ColdPolicy::kDeadline};
+  ResolveShape shape{B, H, S, head_dim, DType::kF16, ColdMissPolicy::kDeadline};
   ResolvePlan plan;
   std::string err;
   if (!PlanResolve(shape, slots, slots, g.sms, gather_blocks, &plan, &err)) {

@@ -260,7 +260,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   ss.local_pages = 8;
   SelectPlan splan;
   if (!PlanSelect(ss, counts.data(), g_sms, &splan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
-  if (g_split_long_rows) splan.split_long_rows = true;  // else PlanSelect's (QUESTKV_SPLIT_LONG_ROWS)
+  if (g_split_long_rows) splan.split_long_rows = true;  // else the SelectShape's (false)
   const int cap = splan.out_indptr[1];
   Dev d_oind(splan.out_indptr.size() * 4), d_pages(size_t(splan.out_indptr.back()) * 4),
       d_slots(size_t(splan.out_indptr.back()) * 4), d_count(rows * 4), sws(splan.workspace_bytes);
@@ -310,7 +310,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
     CHECK(RunAttend(aplan, ap, st));
   });
 
-  // The whole step as runtime/cuda_backend.cc runs a decode layer (DESIGN.md
+  // The whole step as runtime/cuda/ runs a decode layer (DESIGN.md
   // §4): append one new token a sequence into its tail page (the page's
   // summary folded), select pages only, resolve them against hbm_slot (every
   // head-page resident: all hits, with the runtime's plan: misses filled in
@@ -349,7 +349,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   wsp.hbm_slot = nullptr;
   wsp.out_slots = nullptr;
   const size_t piece = size_t(S) * D * 2;
-  const ResolveShape rshape{batch, H, S, D, DType::kF16, ColdPolicy::kDeadline, true, int((16u << 20) / (2 * piece))};
+  const ResolveShape rshape{batch, H, S, D, DType::kF16, ColdMissPolicy::kDeadline, true, int((16u << 20) / (2 * piece))};
   ResolvePlan rplan;
   const int entries = splan.out_indptr.back();
   if (!PlanResolve(rshape, entries, 0, g_sms, g_sms, &rplan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);

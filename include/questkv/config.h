@@ -14,14 +14,16 @@
 
 namespace questkv {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
-std::string_view DTypeName(DType d);
+// Element types. K/V and queries are f32, f16 or bf16; kE4M3 (8-bit FP8
+// codes rounded outward, core/e4m3.h) is for page summaries only.
+enum class DType : uint8_t { kF32, kF16, kBF16, kE4M3 };
+const char* DTypeName(DType d);
 Result<DType> ParseDType(std::string_view s);
-inline std::size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+inline std::size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : d == DType::kE4M3 ? 1 : 2; }
 
 // How page summaries are stored. kKv: in the K/V dtype (f32 on the CPU
 // backend), exact for keys stored in it. kE4M3: 8-bit codes rounded outward
-// (kernels/e4m3.h), a quarter of f32's bytes and half of f16's for the
+// (core/e4m3.h), a quarter of f32's bytes and half of f16's for the
 // select to scan; scores stay upper bounds, only looser. The CPU backend
 // keeps those values as f32 (same selections, not the smaller footprint).
 enum class SummaryDType : uint8_t { kKv, kE4M3 };

@@ -47,7 +47,7 @@ void RebuildSummaryCpu(const float* page, float* summary, int kv_heads, int page
 void RebuildSummaryHeadsCpu(const float* const* k_heads, float* summary, int kv_heads, int head_dim,
                             int len);
 
-// Summaries on the E4M3 grid (kernels/e4m3.h): rounds every min of a summary
+// Summaries on the E4M3 grid (core/e4m3.h): rounds every min of a summary
 // [Hkv][2][D] down and every max up, in place. Applied after each fold or
 // rebuild it keeps a summary equal to the rounding of its exact box.
 void SnapSummaryE4m3Cpu(float* summary, int kv_heads, int head_dim);

@@ -12,7 +12,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
-#include "kernels/e4m3.h"
+#include "core/e4m3.h"
 
 namespace questkv::kernels::cuda {
 namespace {
@@ -92,18 +92,6 @@ __global__ void ResetKernel(SumT* summaries, const uint32_t* page_ids, int n, in
 
 void SetLastErrorMessage(std::string message) { g_last_error = std::move(message); }
 const std::string& LastErrorMessage() { return g_last_error; }
-
-const char* DTypeName(DType t) {
-  switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
-    case DType::kE4M3: return "e4m3";
-  }
-  return "?";
-}
-
-std::size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kE4M3 ? 1 : 2; }
 
 cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.max_new_tokens == 0) return cudaSuccess;

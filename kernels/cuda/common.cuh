@@ -62,7 +62,7 @@ __device__ __forceinline__ void Unpack16(const uint4& raw, float* out) {
 
 __device__ __forceinline__ uint4 Load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// ---- E4M3 summary codes (kernels/e4m3.h) --------------------------------------
+// ---- E4M3 summary codes (core/e4m3.h) --------------------------------------
 // Plain storage with no conversions of its own, because two decodes exist:
 // e4m3::ToFloat where ±inf must stay ±inf (the append's fold), and the
 // hardware conversion, which reads 0x7F / 0xFF as NaN (the score, whose

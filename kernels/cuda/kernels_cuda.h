@@ -36,17 +36,20 @@
 #include <string>
 #include <vector>
 
+#include "core/constants.h"
+#include "questkv/config.h"
+
 namespace questkv::kernels::cuda {
 
 // kE4M3: 8-bit summaries only (AppendParams::summary_dtype,
-// SelectParams::summary_dtype, LaunchResetSummaries), codes of kernels/e4m3.h
+// SelectParams::summary_dtype, LaunchResetSummaries), codes of core/e4m3.h
 // (min rounded down, max up; 0x7F = +inf, 0xFF = -inf; the empty box is min
 // 0x7F, max 0xFF). Selects score them as ScorePagesCpu(..., e4m3 = true):
 // a term on an infinite bound makes the score +inf, so the head-page is
 // chosen. Every other dtype argument rejects it.
-enum class DType : uint8_t { kF32, kF16, kBF16, kE4M3 };
-const char* DTypeName(DType t);
-std::size_t DTypeBytes(DType t);
+using ::questkv::DType;
+using ::questkv::DTypeBytes;
+using ::questkv::DTypeName;
 
 // One head-page to fetch: its K piece and its V piece (S * D elements each,
 // in its pinned host home or in a resolve's HBM staging) and the slot [K][V]
@@ -99,7 +102,7 @@ cudaError_t LaunchResetSummaries(void* summaries, DType summary_dtype, const uin
 
 // ---- select ---------------------------------------------------------------------
 
-enum class GqaAgg : uint8_t { kMax, kMean, kUnion };  // as GqaMode in runtime/config.h
+using ::questkv::GqaMode;
 
 // The policy of selector/select.cc for one layer: budget in pages
 // (floor(token_budget / S)), sink and local pages, GQA mode, dense flag.
@@ -112,7 +115,7 @@ struct SelectShape {
   int64_t page_budget = 0;
   int sink_pages = 1;
   int local_pages = 8;
-  GqaAgg gqa = GqaAgg::kMax;
+  GqaMode gqa = GqaMode::kMax;
   bool dense = false;
   // Rows of more than 16K pages: their top-K in three launches even when the
   // one-launch kernel's grid would be resident at once. That kernel's blocks
@@ -232,7 +235,7 @@ cudaError_t RunAttend(const AttendPlan& plan, const AttendParams& p, cudaStream_
 // pages become host misses). Under `deadline` attention runs without them.
 // Either way out_slots/out_count hold what attention can read now, in place.
 
-enum class ColdPolicy : uint8_t { kStrict, kDeadline };
+using ::questkv::ColdMissPolicy;
 
 // Same layout as kernels::resolve::Request.
 struct ResolveRequest {
@@ -255,7 +258,7 @@ struct ResolveShape {
   int page_size = 0;  // S
   int head_dim = 0;   // D
   DType dtype = DType::kF16;
-  ColdPolicy policy = ColdPolicy::kDeadline;
+  ColdMissPolicy policy = ColdMissPolicy::kDeadline;
   // Leave the misses to the attention instead of gathering them: out_slots
   // names each head-page to fetch as ~job (a negative id) into
   // ResolveFills(), and RunAttend with AttendParams::fills reads it from its

@@ -48,7 +48,6 @@ constexpr int kAssignItems = 4;       // list slots a thread holds per round: 40
 constexpr int kGatherThreads = 256;
 constexpr int kGatherUnroll = 4;
 constexpr int32_t kClaimBase = INT32_MIN;
-constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
 // kFilled: a miss that took a slot (set by the assign; its job in job_of).
 enum : int32_t { kIdle = 0, kHit = 1, kCold = 2, kMiss = 3, kFilled = 4 };
 
@@ -518,7 +517,7 @@ cudaError_t LaunchGather(const GatherJob* jobs, const int32_t* job_count, std::s
 
 cudaError_t LaunchResolve(const ResolvePlan& plan, const ResolveParams& p, cudaStream_t stream) {
   const ResolveShape& s = plan.shape;
-  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdPolicy::kStrict, s.fill_in_attention,
+  const Dims d{s.batch, s.kv_heads, plan.piece_bytes, s.policy == ColdMissPolicy::kStrict, s.fill_in_attention,
                plan.stage_cap};
   const Workspace w = Carve(p.workspace, plan.entries, plan.list_slots, s.batch, plan.stage_cap, plan.piece_bytes, nullptr);
   const int rows = s.batch * s.kv_heads;

@@ -78,7 +78,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
     const RowPolicy r = PolicyFor(s, n);
     int cap = n;
     if (!r.all) {
-      const long long winners = s.gqa == GqaAgg::kUnion ? (long long)s.group * r.k : r.k;
+      const long long winners = s.gqa == GqaMode::kUnion ? (long long)s.group * r.k : r.k;
       cap = int(std::min<long long>(n, r.fixed + winners));
     }
     for (int h = 0; h < s.kv_heads; ++h) {
@@ -88,7 +88,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
     plan->total_pages += n;
     plan->max_pages = std::max(plan->max_pages, n);
   }
-  const int A = s.gqa == GqaAgg::kUnion ? s.group : 1;
+  const int A = s.gqa == GqaMode::kUnion ? s.group : 1;
   const std::size_t head_pages = std::size_t(plan->total_pages) * s.kv_heads;
   const std::size_t rows = std::size_t(s.batch) * s.kv_heads;
   // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks,
@@ -109,7 +109,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  if (!s.dense && s.gqa != GqaAgg::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
+  if (!s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
       plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
       (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
       rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm)) {  // one wave: a cluster block per SM
@@ -118,7 +118,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   float* scores = static_cast<float*>(p.workspace);
   uint8_t* marks = nullptr;
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
-  const bool unioned = s.gqa == GqaAgg::kUnion && s.group > 1;
+  const bool unioned = s.gqa == GqaMode::kUnion && s.group > 1;
   if (unioned) marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * s.group * sizeof(float));
   // kMax/kMean with long rows: row states, histograms, picks, k-th keys,
   // chunk counts and candidates after the scores.
@@ -127,7 +127,7 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   // The chunked phases cost a memset and one to three launches; they pay off
   // for rows of more than kLongRowMin keys (H200: the one-block select over
   // 32K cached keys took ~50 us, 64K binned ~65).
-  if (!s.dense && s.gqa != GqaAgg::kUnion && plan.max_pages > kLongRowMin) {
+  if (!s.dense && s.gqa != GqaMode::kUnion && plan.max_pages > kLongRowMin) {
     char* base = static_cast<char*>(p.workspace) + AlignUp(head_pages * sizeof(float));
     lr.st = reinterpret_cast<RowState*>(base);
     lr.ghist = reinterpret_cast<uint32_t*>(base + rows * sizeof(RowState));

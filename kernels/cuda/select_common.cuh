@@ -107,9 +107,9 @@ __device__ __forceinline__ float SumLanes8(const float* acc) {
 // kMax / kMean over a group's G scores, as select.cc aggregates them
 // (std::max in order; a sequential sum, then a division).
 template <int G>
-__device__ __forceinline__ float Aggregate(GqaAgg gqa, const float* score) {
+__device__ __forceinline__ float Aggregate(GqaMode gqa, const float* score) {
   float agg = score[0];
-  if (gqa == GqaAgg::kMax) {
+  if (gqa == GqaMode::kMax) {
 #pragma unroll
     for (int g = 1; g < G; ++g) agg = agg < score[g] ? score[g] : agg;
   } else {

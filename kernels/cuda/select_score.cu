@@ -50,7 +50,7 @@ __device__ __forceinline__ void FoldKeyRange(RowState* st, bool todo, int row, u
 template <int G>
 __device__ __forceinline__ float StoreScores(const SelectShape& s, float* scores, long long item, int first, int n,
                                              int h, int i, const float* score) {
-  if (s.gqa == GqaAgg::kUnion) {
+  if (s.gqa == GqaMode::kUnion) {
     float* out = scores + (std::size_t)first * s.kv_heads * G + (std::size_t)h * G * n;
 #pragma unroll
     for (int g = 0; g < G; ++g) out[(std::size_t)g * n + i] = score[g];

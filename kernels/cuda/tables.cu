@@ -1,4 +1,4 @@
-// Small kernels the CUDA backend (runtime/cuda_backend.cc) needs around the
+// Small kernels the CUDA backend (runtime/cuda/) needs around the
 // decode-step kernels: batched edits of the device tables, the seal copy
 // (tail slots -> pinned host home, the mirror of the resolve gather) and dtype
 // conversion of host-API inputs and outputs.
@@ -9,7 +9,6 @@
 namespace questkv::kernels::cuda {
 namespace {
 
-constexpr uint32_t kEmptySlot = 0xFFFFFFFFu;
 constexpr int kThreads = 256;
 
 __global__ void TableUpdateKernel(const TableUpdate* __restrict__ ups, int n, DeviceTables t) {

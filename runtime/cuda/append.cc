@@ -17,7 +17,7 @@ Status CudaBackendImpl::ConvertIn(const void* host_f32, std::size_t elems, DevBu
   } else {
     QKV_RETURN_IF_ERROR(f32.Reserve(elems * 4));
     QKV_RETURN_IF_ERROR(Upload(f32.as(), host_f32, elems * 4));
-    QKV_CUDA(kc::LaunchConvert(f32.as(), kc::DType::kF32, out.as(), kc::DType(g_.dtype), elems, stream_));
+    QKV_CUDA(kc::LaunchConvert(f32.as(), DType::kF32, out.as(), g_.dtype, elems, stream_));
   }
   *dev = out.as();
   return Status::Ok();
@@ -35,7 +35,7 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
   std::memcpy(st, hdr, sizeof(hdr));
   const int32_t* d = static_cast<const int32_t*>(StageDev(st));
   kc::AppendParams p;
-  p.kv_dtype = kc::DType(g_.dtype);
+  p.kv_dtype = g_.dtype;
   p.summary_dtype = sum_dtype();
   p.chain = c_.cuda_chain_kernels;
   p.batch = 1;
@@ -226,7 +226,7 @@ Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, in
   // Through f32 on the device, converted exactly (the values are keys' values).
   QKV_RETURN_IF_ERROR(summary_f32_.Reserve(summary.size() * sizeof(float)));
   QKV_RETURN_IF_ERROR(Upload(summary_f32_.as(), summary.data(), summary.size() * sizeof(float)));
-  QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), kc::DType::kF32, dst, sum_dtype(), summary.size(), stream_));
+  QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), DType::kF32, dst, sum_dtype(), summary.size(), stream_));
   return Status::Ok();
 }
 

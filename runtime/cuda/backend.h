@@ -67,11 +67,6 @@ namespace questkv::cuda_backend {
 
 namespace kc = kernels::cuda;
 
-static_assert(int(kc::DType::kF32) == int(DType::kF32) && int(kc::DType::kF16) == int(DType::kF16) &&
-              int(kc::DType::kBF16) == int(DType::kBF16));
-static_assert(int(kc::GqaAgg::kMax) == int(GqaMode::kMax) && int(kc::GqaAgg::kMean) == int(GqaMode::kMean) &&
-              int(kc::GqaAgg::kUnion) == int(GqaMode::kUnion));
-
 constexpr int kStagingPages = 64;  // pages a prefill chunk passes through at once
 
 inline Status CudaStatus(const char* what, cudaError_t e) {
@@ -260,7 +255,7 @@ class CudaBackendImpl final : public DataPlane {
     HostClock clock;
     int B = 0, rows = 0, max_row = 0;
     std::size_t qelems = 0;
-    kc::DType dt = kc::DType::kF16;
+    DType dt = DType::kF16;
     std::vector<int32_t> counts, last_len, page_indptr, part_indptr;  // [B], [B], [B+1], [B+1]
     kc::SelectShape shape;
     kc::SelectPlan splan;
@@ -312,7 +307,7 @@ class CudaBackendImpl final : public DataPlane {
   // in f32) are the same bits as from f32 summaries — at half the bytes the
   // select reads, for f16/bf16. Or as E4M3 codes rounded outward, half again.
   bool e4m3() const { return g_.e4m3_summaries(); }
-  kc::DType sum_dtype() const { return e4m3() ? kc::DType::kE4M3 : kc::DType(g_.dtype); }
+  DType sum_dtype() const { return e4m3() ? DType::kE4M3 : g_.dtype; }
   std::size_t summary_bytes() const { return g_.summary_elems() * g_.summary_elem_bytes(); }
   char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
   int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }

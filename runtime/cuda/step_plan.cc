@@ -73,7 +73,7 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   p.B = B;
   p.rows = B * H;
   p.qelems = std::size_t(B) * g_.q_heads * g_.head_dim;
-  p.dt = kc::DType(g_.dtype);
+  p.dt = g_.dtype;
   p.counts.resize(B);
   p.last_len.resize(B);
   p.page_indptr.assign(B + 1, 0);
@@ -91,7 +91,7 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.page_budget = c_.policy.page_budget(s.layer, S);
   shape.sink_pages = c_.policy.sink_pages;
   shape.local_pages = c_.policy.local_pages;
-  shape.gqa = kc::GqaAgg(c_.policy.gqa);
+  shape.gqa = c_.policy.gqa;
   shape.dense = s.dense || c_.policy.is_dense(s.layer);
   shape.split_long_rows = c_.cuda_split_long_rows;
   shape.chain = c_.cuda_chain_kernels;
@@ -139,7 +139,7 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   // are chosen; the attention reads any beyond from their homes.
   const int stage_pages = c_.cuda_stage_misses ? int(kStageBytes / (2 * piece())) : 0;
   kc::ResolveShape rshape{p.B, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
-                          p.strict ? kc::ColdPolicy::kStrict : kc::ColdPolicy::kDeadline, p.fill_in_attention,
+                          p.strict ? ColdMissPolicy::kStrict : ColdMissPolicy::kDeadline, p.fill_in_attention,
                           stage_pages};
   rshape.chain = c_.cuda_chain_kernels;
   // The gather on every SM: within a step nothing runs beside it (the

@@ -55,7 +55,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
       QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + p.page_indptr[b], parts_[s.partitions[b]].pages.as(),
                                std::size_t(p.counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
   if (s.host_f32 && g_.dtype != DType::kF32)
-    QKV_CUDA(kc::LaunchConvert(q_f32_.as(), kc::DType::kF32, q_.as(), p.dt, p.qelems, stream_));
+    QKV_CUDA(kc::LaunchConvert(q_f32_.as(), DType::kF32, q_.as(), p.dt, p.qelems, stream_));
   // Phase timing only when launched directly: cudaEventElapsedTime refuses
   // events recorded by a graph's nodes (cudaErrorInvalidValue).
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[0], stream_));
@@ -95,7 +95,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
   if (s.host_f32 && g_.dtype != DType::kF32)
-    QKV_CUDA(kc::LaunchConvert(o_.as(), p.dt, o_f32_.as(), kc::DType::kF32, p.qelems, stream_));
+    QKV_CUDA(kc::LaunchConvert(o_.as(), p.dt, o_f32_.as(), DType::kF32, p.qelems, stream_));
   return Status::Ok();
 }
 

@@ -1,4 +1,4 @@
-// The outward-rounded E4M3 summary codec (kernels/e4m3.h) against a brute
+// The outward-rounded E4M3 summary codec (core/e4m3.h) against a brute
 // force over the format's value table, built here from its definition.
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // The score kernels decode E4M3 summary codes with the hardware conversion
 // (cvt.rn.f16x2.e4m3x2, through cuda_fp8.h's __nv_cvt_fp8x2_to_halfraw2). The
-// same header's host emulation of it must agree with kernels/e4m3.h's ToFloat
+// same header's host emulation of it must agree with core/e4m3.h's ToFloat
 // on every finite code and read the ±inf codes 0x7F / 0xFF as NaN, the CPU
 // twin's mark of an infinite bound (ScorePagesCpu with e4m3). No GPU needed.
 #include <cuda_fp16.h>

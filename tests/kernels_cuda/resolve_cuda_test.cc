@@ -210,7 +210,7 @@ void RunResolveCase(const ResolveCase& c, uint32_t seed, Fetch fetch = {}) {
     ResolveCpu(cp);
 
     // Device.
-    ResolveShape shape{B, H, c.page_size, c.head_dim, c.dtype, strict ? ColdPolicy::kStrict : ColdPolicy::kDeadline,
+    ResolveShape shape{B, H, c.page_size, c.head_dim, c.dtype, strict ? ColdMissPolicy::kStrict : ColdMissPolicy::kDeadline,
                        fetch.fill, fetch.stage};
     ResolvePlan plan;
     std::string err;

@@ -42,7 +42,7 @@ std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, co
   for (int i = n - local; i < n; ++i) skip[i] = 1;
   const int fixed = int(std::count(skip.begin(), skip.end(), 1));
   const int k = int(std::max<int64_t>(0, s.page_budget - fixed));
-  const int A = s.gqa == GqaAgg::kUnion ? G : 1;
+  const int A = s.gqa == GqaMode::kUnion ? G : 1;
   const bool scored = k < n - fixed;  // else every page is chosen
   if (row_scores && scored) row_scores->resize(std::size_t(H) * A * n);
   std::vector<float> scores(std::size_t(G) * n), agg(n);
@@ -54,19 +54,19 @@ std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, co
       const int got = TopKCpu(sc, n, skip.data(), k, chosen.data(), scratch.data());
       for (int i = 0; i < got; ++i) mark[chosen[i]] = 1;
     };
-    if (s.gqa == GqaAgg::kUnion) {
+    if (s.gqa == GqaMode::kUnion) {
       for (int g = 0; g < G; ++g) mark_top(scores.data() + std::size_t(g) * n);
     } else {
       agg.assign(scores.begin(), scores.begin() + n);
       for (int g = 1; g < G; ++g)
         for (int i = 0; i < n; ++i)
-          agg[i] = s.gqa == GqaAgg::kMax ? std::max(agg[i], scores[std::size_t(g) * n + i]) : agg[i] + scores[std::size_t(g) * n + i];
-      if (s.gqa == GqaAgg::kMean)
+          agg[i] = s.gqa == GqaMode::kMax ? std::max(agg[i], scores[std::size_t(g) * n + i]) : agg[i] + scores[std::size_t(g) * n + i];
+      if (s.gqa == GqaMode::kMean)
         for (int i = 0; i < n; ++i) agg[i] /= float(G);
       mark_top(agg.data());
     }
     if (row_scores && scored)
-      std::copy_n(s.gqa == GqaAgg::kUnion ? scores.data() : agg.data(), std::size_t(A) * n,
+      std::copy_n(s.gqa == GqaMode::kUnion ? scores.data() : agg.data(), std::size_t(A) * n,
                   row_scores->data() + std::size_t(h) * A * n);
     for (int i = 0; i < n; ++i)
       if (mark[i]) rows[h].push_back(i);
@@ -77,7 +77,7 @@ std::vector<std::vector<int>> CpuSelect(const SelectShape& s, const float* q, co
 struct SelectCase {
   int batch, kv_heads, group, head_dim, page_size;
   int64_t page_budget;
-  GqaAgg gqa;
+  GqaMode gqa;
   DType q_dtype, sum_dtype;
   bool ties;       // summaries of few distinct values: many equal scores
   bool dense = false;
@@ -226,7 +226,7 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   // E4M3 never takes the fused select (its q and summary dtypes differ), so
   // the score kernels' scores are at the workspace's start (select.cu):
   // sequence b's [H][A][n] from indptr[b] * H * A.
-  const int A = c.gqa == GqaAgg::kUnion ? G : 1;
+  const int A = c.gqa == GqaMode::kUnion ? G : 1;
   const auto got_scores = e4m3 ? Download<float>(d_ws, std::size_t(pages) * H * A) : std::vector<float>();
 
   double worst_jaccard = 1.0;
@@ -252,7 +252,7 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
       ASSERT_EQ(got, want[h]) << "sequence " << b << " (" << counts[b] << " pages), KV head " << h;
       for (std::size_t j = 0; j < got.size(); ++j)
         ASSERT_EQ(got_slots[plan.out_indptr[row] + j], hbm_slot[std::size_t(ids[indptr[b] + got[j]]) * H + h]);
-      if (c.gqa != GqaAgg::kUnion) {
+      if (c.gqa != GqaMode::kUnion) {
         ASSERT_EQ(got_count[row], plan.out_indptr[row + 1] - plan.out_indptr[row]);
       }
     }
@@ -275,49 +275,49 @@ TEST_P(SelectCudaTest, EqualsCpuTwinExactly) {
 constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16;
 INSTANTIATE_TEST_SUITE_P(
     Policies, SelectCudaTest,
-    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaAgg::kMax, F32, F32, false},
-                      SelectCase{3, 2, 4, 128, 16, 12, GqaAgg::kMax, F16, F16, false},
-                      SelectCase{7, 2, 4, 64, 8, 20, GqaAgg::kMean, F32, F32, false},
-                      SelectCase{7, 2, 8, 128, 16, 10, GqaAgg::kUnion, BF16, F32, false},
-                      SelectCase{23, 2, 4, 128, 16, 9, GqaAgg::kMax, F32, F32, true},
-                      SelectCase{23, 1, 8, 256, 32, 7, GqaAgg::kUnion, F32, F32, true},
-                      SelectCase{3, 2, 1, 64, 64, 6, GqaAgg::kMean, F16, F32, true},
-                      SelectCase{7, 2, 4, 128, 16, 8, GqaAgg::kMax, F16, F16, false, /*dense=*/true},
-                      SelectCase{3, 2, 4, 128, 16, 5, GqaAgg::kMax, F32, F32, false, false},
+    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaMode::kMax, F32, F32, false},
+                      SelectCase{3, 2, 4, 128, 16, 12, GqaMode::kMax, F16, F16, false},
+                      SelectCase{7, 2, 4, 64, 8, 20, GqaMode::kMean, F32, F32, false},
+                      SelectCase{7, 2, 8, 128, 16, 10, GqaMode::kUnion, BF16, F32, false},
+                      SelectCase{23, 2, 4, 128, 16, 9, GqaMode::kMax, F32, F32, true},
+                      SelectCase{23, 1, 8, 256, 32, 7, GqaMode::kUnion, F32, F32, true},
+                      SelectCase{3, 2, 1, 64, 64, 6, GqaMode::kMean, F16, F32, true},
+                      SelectCase{7, 2, 4, 128, 16, 8, GqaMode::kMax, F16, F16, false, /*dense=*/true},
+                      SelectCase{3, 2, 4, 128, 16, 5, GqaMode::kMax, F32, F32, false, false},
                       // 4096 winners out of 65536+ pages in sequence 0.
-                      SelectCase{1, 2, 4, 128, 16, 4096, GqaAgg::kMax, F16, F16, false, false, 70001},
-                      SelectCase{3, 1, 4, 128, 16, 4096, GqaAgg::kMax, F32, F32, true, false, 65536},
-                      SelectCase{1, 1, 4, 64, 16, 1000, GqaAgg::kUnion, F32, F32, false, false, 30000},
+                      SelectCase{1, 2, 4, 128, 16, 4096, GqaMode::kMax, F16, F16, false, false, 70001},
+                      SelectCase{3, 1, 4, 128, 16, 4096, GqaMode::kMax, F32, F32, true, false, 65536},
+                      SelectCase{1, 1, 4, 64, 16, 1000, GqaMode::kUnion, F32, F32, false, false, 30000},
                       // The fused one-launch path (kMax/kMean, G <= 4, equal dtypes, few rows)
                       // at its 2048-page limit, and a long row with many equal scores.
-                      SelectCase{1, 2, 4, 128, 16, 512, GqaAgg::kMax, F16, F16, false, false, 2048},
-                      SelectCase{2, 1, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 2000},
+                      SelectCase{1, 2, 4, 128, 16, 512, GqaMode::kMax, F16, F16, false, false, 2048},
+                      SelectCase{2, 1, 2, 64, 16, 300, GqaMode::kMean, BF16, BF16, true, false, 2000},
                       // Short rows in registers (SelectShortRow: 1025..8192 pages): Llama-3-8B at
                       // 128K and one page past (after decode steps: the key cache's RangeKth),
                       // many equal scores with kMean, and a budget above half the row.
-                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8192},
-                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 8193},
-                      SelectCase{1, 2, 2, 64, 16, 9000, GqaAgg::kMean, BF16, BF16, true, false, 16384},
-                      SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, BF16, BF16, true, false, 5000},
-                      SelectCase{3, 1, 1, 128, 16, 2049, GqaAgg::kMax, F32, F32, true, false, 4099},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaMode::kMax, F16, F16, false, false, 8192},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaMode::kMax, F16, F16, false, false, 8193},
+                      SelectCase{1, 2, 2, 64, 16, 9000, GqaMode::kMean, BF16, BF16, true, false, 16384},
+                      SelectCase{2, 2, 2, 64, 16, 300, GqaMode::kMean, BF16, BF16, true, false, 5000},
+                      SelectCase{3, 1, 1, 128, 16, 2049, GqaMode::kMax, F32, F32, true, false, 4099},
                       // Rows in the key cache past 8192 keys (RangeKth), with ties; G = 4 at
                       // 256K+ head-pages (the staged score kernel).
-                      SelectCase{1, 2, 4, 64, 16, 700, GqaAgg::kMean, F32, F32, true, false, 20000},
-                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 32768},
+                      SelectCase{1, 2, 4, 64, 16, 700, GqaMode::kMean, F32, F32, true, false, 20000},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaMode::kMax, F16, F16, false, false, 32768},
                       // The lanes score kernel (G = 4, D = 128) with mixed dtypes over a ragged
                       // batch (units cross rows and end mid-row), and with kUnion's per-head
                       // scores and many equal ones.
-                      SelectCase{9, 2, 4, 128, 16, 24, GqaAgg::kMean, F16, BF16, false, false, 5000},
-                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F16, F16, true, false, 3000},
+                      SelectCase{9, 2, 4, 128, 16, 24, GqaMode::kMean, F16, BF16, false, false, 5000},
+                      SelectCase{4, 2, 4, 128, 16, 30, GqaMode::kUnion, F16, F16, true, false, 3000},
                       // Rows of 1025..2048 pages past the fused select's limits (SelectShortRow
                       // too): Llama-3-8B at 32K, and a ragged pair with many equal kMean scores.
-                      SelectCase{1, 8, 4, 128, 16, 128, GqaAgg::kMax, F16, F16, false, false, 2048},
-                      SelectCase{2, 2, 2, 64, 16, 300, GqaAgg::kMean, F16, BF16, true, false, 1500},
+                      SelectCase{1, 8, 4, 128, 16, 128, GqaMode::kMax, F16, F16, false, false, 2048},
+                      SelectCase{2, 2, 2, 64, 16, 300, GqaMode::kMean, F16, BF16, true, false, 1500},
                       // The staged score kernel's query stage (G * D <= 128) and 16-bit select
                       // masks: Llama-2-7B's G = 1, D = 128 over a ragged batch, and kUnion's
                       // per-head scores at G = 2 with many equal ones.
-                      SelectCase{7, 4, 1, 128, 16, 40, GqaAgg::kMax, F16, F16, false, false, 6000},
-                      SelectCase{3, 2, 2, 64, 16, 50, GqaAgg::kUnion, BF16, BF16, true, false, 3000}));
+                      SelectCase{7, 4, 1, 128, 16, 40, GqaMode::kMax, F16, F16, false, false, 6000},
+                      SelectCase{3, 2, 2, 64, 16, 50, GqaMode::kUnion, BF16, BF16, true, false, 3000}));
 
 // E4M3 summaries, over every score kernel: staged (G <= 2, D 128 and 256; G = 8 at
 // 256K head-pages, with long rows of many +inf scores), direct (G >= 4 and D = 64 at
@@ -326,20 +326,20 @@ INSTANTIATE_TEST_SUITE_P(
 constexpr DType E4M3 = DType::kE4M3;
 INSTANTIATE_TEST_SUITE_P(
     E4m3, SelectCudaTest,
-    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaAgg::kMax, F32, E4M3, false},
-                      SelectCase{3, 2, 2, 64, 8, 20, GqaAgg::kMean, F16, E4M3, false},
-                      SelectCase{1, 2, 1, 64, 16, 30, GqaAgg::kMean, F32, E4M3, true},
-                      SelectCase{7, 2, 4, 128, 16, 12, GqaAgg::kMax, BF16, E4M3, false},
-                      SelectCase{7, 2, 4, 64, 16, 10, GqaAgg::kUnion, F16, E4M3, true},
-                      SelectCase{3, 2, 8, 256, 32, 7, GqaAgg::kUnion, F32, E4M3, true},
-                      SelectCase{7, 2, 1, 256, 16, 9, GqaAgg::kMean, BF16, E4M3, false},
-                      SelectCase{3, 1, 8, 128, 16, 8, GqaAgg::kMax, F16, E4M3, false},
-                      SelectCase{3, 2, 2, 128, 16, 10, GqaAgg::kUnion, F32, E4M3, false},
-                      SelectCase{7, 2, 4, 128, 16, 8, GqaAgg::kMax, F16, E4M3, false, /*dense=*/true},
-                      SelectCase{9, 2, 4, 128, 16, 24, GqaAgg::kMean, F16, E4M3, false, false, 5000},
-                      SelectCase{4, 2, 4, 128, 16, 30, GqaAgg::kUnion, F32, E4M3, true, false, 3000},
-                      SelectCase{1, 2, 4, 128, 16, 4096, GqaAgg::kMean, BF16, E4M3, true, false, 20000},
-                      SelectCase{1, 8, 8, 128, 16, 128, GqaAgg::kMax, F16, E4M3, false, false, 32768}));
+    ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaMode::kMax, F32, E4M3, false},
+                      SelectCase{3, 2, 2, 64, 8, 20, GqaMode::kMean, F16, E4M3, false},
+                      SelectCase{1, 2, 1, 64, 16, 30, GqaMode::kMean, F32, E4M3, true},
+                      SelectCase{7, 2, 4, 128, 16, 12, GqaMode::kMax, BF16, E4M3, false},
+                      SelectCase{7, 2, 4, 64, 16, 10, GqaMode::kUnion, F16, E4M3, true},
+                      SelectCase{3, 2, 8, 256, 32, 7, GqaMode::kUnion, F32, E4M3, true},
+                      SelectCase{7, 2, 1, 256, 16, 9, GqaMode::kMean, BF16, E4M3, false},
+                      SelectCase{3, 1, 8, 128, 16, 8, GqaMode::kMax, F16, E4M3, false},
+                      SelectCase{3, 2, 2, 128, 16, 10, GqaMode::kUnion, F32, E4M3, false},
+                      SelectCase{7, 2, 4, 128, 16, 8, GqaMode::kMax, F16, E4M3, false, /*dense=*/true},
+                      SelectCase{9, 2, 4, 128, 16, 24, GqaMode::kMean, F16, E4M3, false, false, 5000},
+                      SelectCase{4, 2, 4, 128, 16, 30, GqaMode::kUnion, F32, E4M3, true, false, 3000},
+                      SelectCase{1, 2, 4, 128, 16, 4096, GqaMode::kMean, BF16, E4M3, true, false, 20000},
+                      SelectCase{1, 8, 8, 128, 16, 128, GqaMode::kMax, F16, E4M3, false, false, 32768}));
 
 TEST(SelectPlanTest, RejectsUnsupportedSizesWithAMessage) {
   SelectShape s;

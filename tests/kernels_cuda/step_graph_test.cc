@@ -337,7 +337,7 @@ cudaError_t LaunchStep(const Plans& P, const Inputs& in, const State& st, int64_
   sp.shape.page_budget = kPageBudget;
   sp.shape.sink_pages = kSink;
   sp.shape.local_pages = kLocal;
-  sp.shape.gqa = GqaAgg::kMax;
+  sp.shape.gqa = GqaMode::kMax;
   sp.q_dtype = kKv;
   sp.summary_dtype = P.sum_dtype;
   sp.q = in.q.get();
@@ -506,12 +506,12 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   ss.page_budget = kPageBudget;
   ss.sink_pages = kSink;
   ss.local_pages = kLocal;
-  ss.gqa = GqaAgg::kMax;
+  ss.gqa = GqaMode::kMax;
   ASSERT_TRUE(PlanSelect(ss, L.page_counts.data(), NumSms(), &P.select, &err)) << err;
   const int nnz = P.select.out_indptr.back();
   EXPECT_EQ(nnz, kH * (1 + 2 + int(kPageBudget)));  // kMax: exact row counts
   P.queue_capacity = nnz;
-  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline, fill, stage};
+  const ResolveShape rs{kB, kH, kS, kD, kKv, ColdMissPolicy::kDeadline, fill, stage};
   ASSERT_TRUE(PlanResolve(rs, nnz, L.part_indptr.back(), NumSms(), 0, &P.resolve, &err)) << err;
   ASSERT_EQ(P.resolve.piece_bytes, kPiece);
   ASSERT_EQ(P.resolve.shape.fill_in_attention, fill);
@@ -525,7 +525,7 @@ TEST_P(LayerStepGraphTest, CapturedStepEqualsDirectLaunchesAndCpu) {
   as.dtype = kKv;
   ASSERT_TRUE(PlanAttend(as, int(kPageBudget), NumSms(), &P.attend, &err)) << err;
   Plans PU = P;  // the third copy's: the resolve gathers its misses
-  const ResolveShape rs_gather{kB, kH, kS, kD, kKv, ColdPolicy::kDeadline};
+  const ResolveShape rs_gather{kB, kH, kS, kD, kKv, ColdMissPolicy::kDeadline};
   ASSERT_TRUE(PlanResolve(rs_gather, nnz, L.part_indptr.back(), NumSms(), 0, &PU.resolve, &err)) << err;
 
   // Homes of the sealed pages, in mapped pinned memory: [2][Hkv][S][D] f16.

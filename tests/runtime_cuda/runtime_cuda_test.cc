@@ -1,4 +1,4 @@
-// The CUDA backend end to end (runtime/cuda_backend.cc) against the CPU
+// The CUDA backend end to end (runtime/cuda/) against the CPU
 // backend on the same inputs: selections equal, outputs within the dtype's
 // rounding; all-in-HBM against mostly-on-host (and on disk) bit for bit;
 // fork, rollback and prefix sharing; the device-pointer API; bad input.
