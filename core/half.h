@@ -7,6 +7,7 @@
 #pragma once
 
 #include <bit>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +93,7 @@ inline void FromFloats(const float* src, DType dtype, std::size_t n, void* dst) 
     case DType::kBF16:
       for (std::size_t i = 0; i < n; ++i) u16[i] = FloatToBf16Bits(src[i]);
       break;
+    case DType::kE4M3: assert(!"e4m3 holds summaries, never K/V or queries"); break;
   }
 }
 
@@ -106,6 +108,7 @@ inline void ToFloats(const void* src, DType dtype, std::size_t n, float* dst) {
     case DType::kBF16:
       for (std::size_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(u16[i]);
       break;
+    case DType::kE4M3: assert(!"e4m3 holds summaries, never K/V or queries"); break;
   }
 }
 

@@ -514,6 +514,7 @@ Status DeviceWorkload::Tokens(int layer, int64_t begin, int64_t n, void* k_dev, 
       case DType::kBF16:
         TokensKernel<__nv_bfloat16><<<grid, threads, token_smem, stream>>>(t, p, rows_per_block);
         break;
+      case DType::kE4M3: return Status::InvalidArgument("workload K/V cannot be e4m3 (a summary format)");
     }
     return CudaStatus(cudaGetLastError(), "workload tokens kernel");
   };
