@@ -156,6 +156,24 @@ class RuntimeHolder : public torch::CustomClassHolder {
   Tensor Dense(std::vector<int64_t> seqs, int64_t layer, const Tensor& q, c10::optional<Tensor> out) {
     return Attend(seqs, layer, q, std::move(out), /*dense=*/true);
   }
+  // q: [sum(block)][Hq][D], one row per block token (see Runtime::DecodeBlock).
+  Tensor DecodeBlock(std::vector<int64_t> seqs, std::vector<int64_t> block, int64_t layer, const Tensor& q) {
+    TORCH_CHECK(!seqs.empty() && block.size() == seqs.size(), "block needs one size per sequence");
+    int64_t rows = 0;
+    std::vector<int> sizes;
+    for (int64_t n : block) {
+      TORCH_CHECK(n >= 1 && n <= (int64_t(1) << 30), "block size ", n, " is outside 1..2^30");
+      sizes.push_back(int(n));
+      rows += n;
+    }
+    const std::vector<int64_t> shape = {rows, g_.q_heads, g_.head_dim};
+    CheckHostF32(q, "q", shape);
+    Tensor o = at::empty(shape, q.options());
+    std::vector<SeqId> ids;
+    for (int64_t s : seqs) ids.push_back(Seq(s));
+    Check(rt_->DecodeBlock(ids, sizes, Layer(layer), q.data_ptr<float>(), o.data_ptr<float>()));
+    return o;
+  }
 
   c10::Dict<std::string, int64_t> Stats() {
     const TierStats t = rt_->tier_stats();
@@ -332,6 +350,7 @@ TORCH_LIBRARY(questkv, m) {
       .def("append", &RuntimeHolder::Append)
       .def("decode", &RuntimeHolder::Decode)
       .def("dense", &RuntimeHolder::Dense)
+      .def("decode_block", &RuntimeHolder::DecodeBlock)
       .def("stats", &RuntimeHolder::Stats)
       .def("synchronize", &RuntimeHolder::Synchronize);
   m.def("update_summaries(Tensor k_cache, Tensor(a!) summaries, Tensor pages, Tensor lens, str layout) -> ()",

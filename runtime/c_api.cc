@@ -184,6 +184,15 @@ qkv_status qkv_decode_attention(qkv_runtime* h, const uint64_t* seqs, int batch,
     return h->rt->DecodeAttention(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out);
   });
 }
+qkv_status qkv_decode_block(qkv_runtime* h, const uint64_t* seqs, const int* block, int batch, int layer,
+                            const float* q, float* out) {
+  return Guarded(h, [&]() -> questkv::Status {
+    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+    if (!block) return questkv::Status::InvalidArgument("null block sizes");
+    return h->rt->DecodeBlock(std::span<const uint64_t>(seqs, std::size_t(batch)),
+                              std::span<const int>(block, std::size_t(batch)), layer, q, out);
+  });
+}
 qkv_status qkv_append_device(qkv_runtime* h, uint64_t seq, int layer, const void* k, const void* v, int64_t n) {
   return Guarded(h, [&] { return h->rt->AppendDevice(seq, layer, k, v, n); });
 }

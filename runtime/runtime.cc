@@ -51,6 +51,7 @@ struct Runtime::Impl {
   std::vector<uint32_t> list_partitions;
   std::vector<float> page_scratch;
   std::vector<float> q_copy;   // the queries, when the caller's q overlaps out
+  std::vector<PageList> block_views;  // DecodeBlock: each position's list
 
   explicit Impl(const Config& c) : config(c), g(c.geometry), ids(c.max_pages) {}
 
@@ -407,6 +408,49 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
   const float* q = I.Unaliased(q_in, out, seqs.size());
   QKV_RETURN_IF_ERROR(I.Decode(layer, q, out, /*host_f32=*/true, /*dense=*/false, selections, stats));
   return I.CheckFinite(seqs, q, out);
+}
+
+// One row per block position: the sequence's page list as it stood right
+// after that token was appended (its pages up to it; the last one's valid
+// length ends at it), so the step selects and attends exactly as a
+// single-token call would have then.
+Status Runtime::DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q_in,
+                            float* out, AttendStats* stats) {
+  Impl& I = *impl_;
+  if (block.size() != seqs.size())
+    return Status::InvalidArgument("block has " + std::to_string(block.size()) + " entries for " +
+                                   std::to_string(seqs.size()) + " sequences");
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q_in, out));
+  const int S = I.g.page_size;
+  std::size_t rows = 0;
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    if (block[b] < 1 || block[b] > I.lists[b]->tokens)
+      return Status::OutOfRange("block of " + std::to_string(block[b]) + " tokens for " + SeqName(seqs[b]) +
+                                ", which holds " + std::to_string(I.lists[b]->tokens) + " in layer " +
+                                std::to_string(layer));
+    if (block[b] > 1 && I.backend->on_device())
+      return Status::Unimplemented("the CUDA backend decodes blocks of one token per sequence");
+    rows += std::size_t(block[b]);
+  }
+  I.block_views.resize(rows);
+  std::vector<SeqId> row_seqs;
+  std::vector<uint32_t> row_parts;
+  std::size_t r = 0;
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    for (int i = 0; i < block[b]; ++i, ++r) {
+      PageList& view = I.block_views[r];
+      view.tokens = I.lists[b]->tokens - block[b] + 1 + i;
+      view.pages.assign(I.lists[b]->pages.begin(), I.lists[b]->pages.begin() + (view.tokens + S - 1) / S);
+      row_seqs.push_back(seqs[b]);
+      row_parts.push_back(I.list_partitions[b]);
+    }
+  }
+  I.lists.clear();
+  for (const PageList& view : I.block_views) I.lists.push_back(&view);
+  I.list_partitions = std::move(row_parts);
+  const float* q = I.Unaliased(q_in, out, rows);
+  QKV_RETURN_IF_ERROR(I.Decode(layer, q, out, /*host_f32=*/true, /*dense=*/false, nullptr, stats));
+  return I.CheckFinite(row_seqs, q, out);
 }
 
 Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,

@@ -105,6 +105,14 @@ qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, 
 /* Sparse (Quest) decode attention for a batch of sequences at one layer. */
 qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out);
+/* The same for a block of block[b] >= 1 new tokens per sequence (already
+   appended; speculative decoding's verify step): q and out hold one row per
+   block token, sequence by sequence ([sum(block)][q_heads][head_dim]); each
+   position attends causally and selects its own pages, exactly as
+   single-token calls made after each append would (Runtime::DecodeBlock).
+   Roll back the rejected tokens with qkv_sequence_rollback. */
+qkv_status qkv_decode_block(qkv_runtime* rt, const uint64_t* seqs, const int* block, int batch, int layer,
+                            const float* q, float* out);
 /* CUDA backend only: the same on device pointers in the config's dtype
    (k, v [n][Hkv][D]; q, out [batch][Hq][D]), ordered on qkv_cuda_stream():
    inputs are read and out written when that stream reaches them, and without

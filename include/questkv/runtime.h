@@ -78,6 +78,18 @@ class Runtime {
                          std::vector<PageSelection>* selections = nullptr,
                          AttendStats* stats = nullptr);
 
+  // Decode attention for a block of new tokens per sequence at one layer
+  // (speculative decoding's verify step, multi-token prediction): the last
+  // block[b] >= 1 tokens of seqs[b], already appended, are its block. q and
+  // out hold one row per block token, sequence by sequence:
+  // [sum(block)][Hq][D]. Each position attends causally — every token up to
+  // and including its own — and selects its own pages, as a decode call
+  // made right after appending up to that token would: the outputs equal
+  // those of sum(block) single-token calls (under `strict`). Rollback then
+  // drops the rejected tail. CPU backend; the CUDA backend takes blocks of 1.
+  Status DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q, float* out,
+                     AttendStats* stats = nullptr);
+
   // CUDA backend only (FailedPrecondition otherwise): Append and
   // DecodeAttention on device memory in the geometry's dtype — k, v
   // [n][Hkv][D]; q, out [B][Hq][D] — for engines whose tensors live on the

@@ -84,6 +84,12 @@ class Runtime:
     def dense(self, seqs, layer, q, out=None):
         return self._rt.dense(list(seqs), layer, q, out)
 
+    def decode_block(self, seqs, block, layer, q):
+        """Verifies a block of ``block[b]`` draft tokens per sequence (already
+        appended): ``q [sum(block), q_heads, head_dim]``, one row per token,
+        each attending causally with its own page selection."""
+        return self._rt.decode_block(list(seqs), list(block), layer, q)
+
     def stats(self):
         return dict(self._rt.stats())
 

@@ -194,6 +194,23 @@ class OwnedCache(unittest.TestCase):
         rt.decode([a, b], 1, inout, out=inout)  # q and out may be one buffer
         self.assertTrue(torch.equal(inout, want))
 
+    def test_decode_block_equals_single_token_calls(self):
+        a, b = runtime(), runtime()
+        sa, k, v = self.fill(a, 60)
+        sb = b.create_sequence()
+        for layer in range(2):
+            b.append(sb, layer, k, v)
+        blocks, kd, vd = [3], torch.randn(3, HKV, D, generator=self.g), torch.randn(3, HKV, D, generator=self.g)
+        q = torch.randn(3, HQ, D, generator=self.g)
+        a.append(sa, 1, kd, vd)
+        want = []
+        for i in range(3):
+            b.append(sb, 1, kd[i:i + 1].contiguous(), vd[i:i + 1].contiguous())
+            want.append(b.decode([sb], 1, q[i:i + 1].contiguous()))
+        self.assertTrue(torch.equal(a.decode_block([sa], blocks, 1, q), torch.cat(want)))
+        with self.assertRaises(RuntimeError):
+            a.decode_block([sa], [64], 1, torch.zeros(64, HQ, D))
+
     def test_sequences_fork_rollback_free(self):
         rt = runtime()
         s, k, v = self.fill(rt, 45)

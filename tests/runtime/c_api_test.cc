@@ -180,5 +180,35 @@ TEST(CApi, AnAddressSpaceLimitIsAnErrorNotAnAbort) {
       ::testing::ExitedWithCode(0), "");
 }
 
+// qkv_decode_block verifies a block in one call with the outputs of one
+// single-token call after each append.
+TEST(CApi, DecodeBlockEqualsSingleTokenCalls) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  qkv_runtime *a = nullptr, *b = nullptr;
+  ASSERT_EQ(qkv_create(&cfg, &a), QKV_OK);
+  ASSERT_EQ(qkv_create(&cfg, &b), QKV_OK);
+  const int row = cfg.kv_heads * cfg.head_dim, qrow = cfg.q_heads * cfg.head_dim, n = 5;
+  std::vector<float> kv(1100 * row), q(n * qrow), got(q.size()), want(q.size());
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = std::sin(float(i) * 0.013f);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(float(i) * 0.07f);
+  uint64_t sa = 0, sb = 0;
+  ASSERT_EQ(qkv_sequence_create(a, &sa), QKV_OK);
+  ASSERT_EQ(qkv_sequence_create(b, &sb), QKV_OK);
+  const int layer = 3;
+  ASSERT_EQ(qkv_append(a, sa, layer, kv.data(), kv.data() + 1, 1000 + n), QKV_OK);
+  ASSERT_EQ(qkv_append(b, sb, layer, kv.data(), kv.data() + 1, 1000), QKV_OK);
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(qkv_append(b, sb, layer, kv.data() + (1000 + i) * row, kv.data() + 1 + (1000 + i) * row, 1), QKV_OK);
+    ASSERT_EQ(qkv_decode_attention(b, &sb, 1, layer, q.data() + i * qrow, want.data() + i * qrow), QKV_OK);
+  }
+  const int block = n;
+  ASSERT_EQ(qkv_decode_block(a, &sa, &block, 1, layer, q.data(), got.data()), QKV_OK) << qkv_last_error(a);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(qkv_decode_block(a, &sa, nullptr, 1, layer, q.data(), got.data()), QKV_INVALID_ARGUMENT);
+  qkv_destroy(a);
+  qkv_destroy(b);
+}
+
 }  // namespace
 }  // namespace questkv
