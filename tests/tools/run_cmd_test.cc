@@ -80,5 +80,36 @@ TEST(RunFlags, RefusalsNameTheFlags) {
   }
 }
 
+// --draft simulates speculative decoding: blocks verified by DecodeBlock,
+// drafts accepted at random and rolled back. A tiered run (strict) prints the
+// in-memory run's digest; the report counts what was drafted and kept.
+TEST(RunFlags, SpeculativeDecodingThroughTieredMemoryKeepsTheDigest) {
+  const std::vector<std::string> base = {"--draft", "3", "--accept-rate", "0.5", "--context", "2048", "--steps", "12",
+                                         "--json"};
+  test::Outcome mem = RunCli(base);
+  ASSERT_EQ(mem.code, 0) << mem.err;
+  std::vector<std::string> tiered = base;
+  const std::string dir = ::testing::TempDir() + "questkv-spec-disk";
+  for (const char* a : {"--hbm-bytes", "1M", "--host-bytes", "1M", "--disk-dir", dir.c_str(), "--disk-bytes", "64M"})
+    tiered.push_back(a);
+  test::Outcome disk = RunCli(tiered);
+  ASSERT_EQ(disk.code, 0) << disk.err;
+  auto field = [](const std::string& json, const std::string& key) {
+    const auto at = json.find("\"" + key + "\":");
+    EXPECT_NE(at, std::string::npos) << key << " in " << json;
+    return json.substr(at, json.find_first_of(",}", at) - at);
+  };
+  EXPECT_EQ(field(mem.out, "output_digest"), field(disk.out, "output_digest"));
+  EXPECT_EQ(field(mem.out, "drafted"), "\"drafted\":36");
+  EXPECT_EQ(field(mem.out, "accepted"), field(disk.out, "accepted"));
+  EXPECT_NE(field(disk.out, "disk_to_host"), "\"disk_to_host\":0") << "the tiered run never read from disk";
+  test::Outcome bad = RunCli({"--accept-rate", "0.5"});
+  EXPECT_EQ(bad.code, 2);
+  ExpectHas(bad.err, "--accept-rate needs --draft");
+  bad = RunCli({"--draft", "2", "--accept-rate", "1.5"});
+  EXPECT_EQ(bad.code, 2);
+  ExpectHas(bad.err, "not a probability");
+}
+
 }  // namespace
 }  // namespace questkv::cli

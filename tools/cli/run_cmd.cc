@@ -43,7 +43,9 @@ constexpr const char* kUsage =
     "           --context - 7(batch-1) + 1; unset, it is clipped to that)\n"
     "           --json --no-progress\n"
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
-    "           --metrics-linger-ms MS (keep serving after the run; SIGTERM ends it early)\n";
+    "           --metrics-linger-ms MS (keep serving after the run; SIGTERM ends it early)\n"
+    "speculative decoding, simulated (cpu): --draft N (blocks of N drafts verified by one DecodeBlock call)\n"
+    "           --accept-rate P [0.7] (each draft kept with probability P until the first rejection)\n";
 
 // The first min(2, layers - 1) layers: dense as in Quest, but one layer
 // always stays sparse, so a small --layers still runs the selection.
@@ -153,11 +155,19 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(o.decode_steps, f.Int("steps", o.decode_steps, 0, int64_t(1) << 31));
   QKV_ASSIGN_OR_RETURN(int64_t batch, f.Int("batch", o.batch, 1, 4096));
   o.batch = int(batch);
+  QKV_ASSIGN_OR_RETURN(int64_t draft, f.Int("draft", 0, 0, 64));
+  o.draft = int(draft);
+  QKV_ASSIGN_OR_RETURN(std::string accept, f.String("accept-rate", "0.7"));
+  char* end = nullptr;
+  o.accept_rate = std::strtod(accept.c_str(), &end);
+  if (accept.empty() || *end != '\0' || !(o.accept_rate >= 0 && o.accept_rate <= 1))
+    return Status::InvalidArgument("--accept-rate: '" + accept + "' is not a probability in 0..1");
+  if (f.has("accept-rate") && o.draft == 0) return Status::InvalidArgument("--accept-rate needs --draft");
 
   QKV_RETURN_IF_ERROR(ParsePolicy(f, g, p));
 
   // Enough page ids for the whole run unless told otherwise.
-  const int64_t pages_per_seq = (o.context_tokens + o.decode_steps + g.page_size - 1) / g.page_size + 1;
+  const int64_t pages_per_seq = (o.context_tokens + DecodeTokens(o) + g.page_size - 1) / g.page_size + 1;
   const int64_t need = pages_per_seq * g.layers * o.batch;
   QKV_ASSIGN_OR_RETURN(int64_t max_pages, f.Int("max-pages", std::min<int64_t>(need, 1 << 30), 1, 1 << 30));
   o.config.max_pages = uint32_t(max_pages);
@@ -205,7 +215,8 @@ int RunMain(int argc, char** argv) {
   Flags flags({"backend", "dtype", "summary-dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
-               "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms"},
+               "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
+               "draft", "accept-rate"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
                "split-long-rows", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {

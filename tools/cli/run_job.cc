@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -61,7 +62,7 @@ Result<Batch> MakeBatch(Runtime& rt, const RunOptions& o) {
   Batch batch;
   for (int b = 0; b < o.batch; ++b) {
     const int64_t len = o.context_tokens - 7 * int64_t(b);  // >= 1: CheckRunOptions
-    WorkloadSpec spec{o.workload, o.seed + uint64_t(b), len, o.decode_steps};
+    WorkloadSpec spec{o.workload, o.seed + uint64_t(b), len, DecodeTokens(o)};
     QKV_ASSIGN_OR_RETURN(Workload w, Workload::Create(o.config.geometry, spec));
     QKV_ASSIGN_OR_RETURN(SeqId id, rt.CreateSequence());
     batch.ids.push_back(id);
@@ -361,6 +362,55 @@ class Diagnostics {
   std::deque<std::future<Result<LayerDiagnostics>>> inflight_;
 };
 
+// The draft-and-verify loop of speculative decoding (RunOptions::draft).
+// Drafts are the workload's next tokens; a rejected draft's position is
+// drafted again (with the same K/V) at the next step.
+Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r) {
+  const Geometry& g = o.config.geometry;
+  const int B = int(batch.ids.size()), n = o.draft;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qrow = std::size_t(g.q_heads) * g.head_dim;
+  std::vector<float> k(std::size_t(n) * row), v(k.size()), q(std::size_t(B) * n * qrow), out(q.size());
+  std::vector<int64_t> kept(B, 0);  // tokens accepted past the context, per sequence
+  const std::vector<int> blocks(B, n);
+  std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + 1);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  Progress bar("speculative decode", o.decode_steps, o.progress);
+  AttendStats stats;
+  stats.time_phases = false;
+  std::vector<double> step_us;
+  for (int64_t step = 0; step < o.decode_steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int layer = 0; layer < g.layers; ++layer) {
+      for (int b = 0; b < B; ++b) {
+        batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], n, k.data(), v.data());
+        QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data(), v.data(), n));
+        for (int i = 0; i < n; ++i)
+          batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * n + i) * qrow);
+      }
+      QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
+      Digest(r.output_digest, out.data(), out.size());
+    }
+    for (int b = 0; b < B; ++b) {
+      int accepted = 0;
+      while (accepted < n && uniform(rng) < o.accept_rate) ++accepted;
+      QKV_RETURN_IF_ERROR(rt.Rollback(batch.ids[b], n - accepted));
+      kept[b] += accepted;
+      r.speculative.accepted += accepted;
+    }
+    r.speculative.drafted += int64_t(B) * n;
+    step_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    bar.Update(step + 1);
+  }
+  for (double us : step_us) r.speculative.seconds += 1e-6 * us;
+  r.step_latency_us = Summarise(std::move(step_us));
+  r.speculative.head_pages_selected = stats.head_pages_selected;
+  r.head_pages_selected = stats.head_pages_selected;
+  r.head_pages_total = stats.head_pages_total;
+  r.kv_bytes_read = stats.kv_bytes_read;
+  r.summary_bytes_read = stats.summary_bytes_read;
+  return Status::Ok();
+}
+
 Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r, MetricsRegistry* metrics) {
   const Geometry& g = o.config.geometry;
   const int B = int(batch.ids.size());
@@ -563,6 +613,9 @@ Status CheckRunOptions(const RunOptions& o) {
                                    std::to_string(7 * int64_t(o.batch - 1) + 1) + " or more (sequence b holds " +
                                    "--context - 7b tokens), not " + std::to_string(o.context_tokens));
   if (o.top_r < 1) return Status::InvalidArgument("--top-r must be >= 1");
+  if (o.draft > 1 && o.config.backend != Backend::kCpu)
+    return Status::InvalidArgument("--draft " + std::to_string(o.draft) +
+                                   " needs --backend cpu (the CUDA backend verifies blocks of one token)");
   for (int layer : o.recall_layers) {
     if (layer < 0 || layer >= o.config.geometry.layers)
       return Status::InvalidArgument("--recall-layers: " + std::to_string(layer) + " is not a layer (0.." +
@@ -622,7 +675,7 @@ Result<RunReport> RunJob(const RunOptions& o) {
   const RunReport::Links after_prefill = LinksOf(rt->tier_stats());
   r.bytes_moved_prefill = after_prefill;
   if (metrics) metrics->Publish(rt->tier_stats());
-  QKV_RETURN_IF_ERROR(Decode(*rt, o, batch, r, metrics.get()));
+  QKV_RETURN_IF_ERROR(o.draft > 0 ? SpeculativeDecode(*rt, o, batch, r) : Decode(*rt, o, batch, r, metrics.get()));
   r.tiers = rt->tier_stats();
   r.tiers.hbm_hits -= r.comparison_hits;
   r.tiers.hbm_misses -= r.comparison_misses;
@@ -769,6 +822,14 @@ std::string FormatReport(const RunReport& r) {
          r.diagnosed, r.page_recall, r.attention_mass_recall, r.output_rel_error, o.recall_every, layers.c_str());
     Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
          r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
+  }
+  if (o.draft > 0) {
+    const RunReport::Speculative& s = r.speculative;
+    const double per = s.accepted ? 1.0 / double(s.accepted) : 0;
+    Line(out, "  speculative        drafts of %d at accept rate %.2f: %lld of %lld accepted, %.1f tokens/s; "
+              "per accepted token %.1f head-pages, %.0f bytes host->hbm\n",
+         o.draft, o.accept_rate, (long long)s.accepted, (long long)s.drafted, s.seconds > 0 ? s.accepted / s.seconds : 0,
+         double(s.head_pages_selected) * per, double(r.bytes_moved.host_to_hbm) * per);
   }
   Line(out, "  output digest      %s\n", Hex(r.output_digest).c_str());
   return out;
@@ -923,6 +984,16 @@ std::string ReportJson(const RunReport& r) {
   j.EndArray();
   j.Field("prefill_seconds", r.prefill_seconds);
   j.Field("decode_api", o.device_decode ? "device" : "host");
+  if (o.draft > 0)
+    j.BeginObject("speculative")
+        .Field("draft", o.draft)
+        .Field("accept_rate", o.accept_rate)
+        .Field("drafted", r.speculative.drafted)
+        .Field("accepted", r.speculative.accepted)
+        .Field("seconds", r.speculative.seconds)
+        .Field("tokens_per_s", r.speculative.seconds > 0 ? r.speculative.accepted / r.speculative.seconds : 0.0)
+        .Field("head_pages_selected", r.speculative.head_pages_selected)
+        .EndObject();
   j.Field("output_digest", Hex(r.output_digest));
   j.EndObject();
   return j.str();

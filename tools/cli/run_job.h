@@ -43,6 +43,13 @@ struct RunOptions {
   // after the run so a scraper can read the final values.
   int metrics_port = -1;
   int metrics_linger_ms = 0;
+  // Speculative decoding, simulated (CPU backend): each step appends a block
+  // of `draft` tokens per sequence and layer, verifies it with one
+  // DecodeBlock call, accepts each draft with probability accept_rate until
+  // the first rejection (seeded by `seed`) and rolls back the rest. 0: one
+  // token a step, the ordinary decode.
+  int draft = 0;
+  double accept_rate = 0.7;
 };
 
 struct Percentiles {
@@ -115,11 +122,21 @@ struct RunReport {
     int64_t graphs_captured = 0;          // CUDA: layer-step graphs captured in this step (each costs ms)
   };
   std::vector<StepRecord> steps;
+  // RunOptions::draft > 0: what the verify steps drafted and kept, their
+  // wall time (append + verify + rollback, all layers) and selections.
+  struct Speculative {
+    int64_t drafted = 0, accepted = 0;
+    double seconds = 0;
+    int64_t head_pages_selected = 0;
+  } speculative;
 };
 
 // Tokens of the shortest sequence at the first diagnosed step (its context
 // and that step's token): the largest top_r every diagnosis can take.
 int64_t DiagnosedTokensMin(const RunOptions& options);
+// Tokens the decode may append past the context: a token a step, or a
+// draft block a step when speculating (rejected drafts are drafted again).
+inline int64_t DecodeTokens(const RunOptions& o) { return o.decode_steps * (o.draft > 0 ? o.draft : 1); }
 
 // InvalidArgument, said with the flags of `questkv run` that set them, when
 // the options cannot run (RunJob checks them first).
