@@ -36,6 +36,29 @@ void TierMover::SetHostValid(uint32_t page, bool valid) {
   if (listener_) listener_(page, valid ? host_->data(h.host_slot) : nullptr);
 }
 
+void TierMover::ReleaseHome(uint32_t slot) {
+  const uint64_t queued = device_.queued ? device_.queued() : 0;
+  if (queued == 0) {
+    host_->Free(slot);
+  } else {
+    retired_.emplace_back(queued, slot);
+  }
+}
+
+Status TierMover::Recycle(bool wait) {
+  if (retired_.empty()) return Status::Ok();
+  uint64_t done = UINT64_MAX;  // no device reads any more
+  if (device_.done) {
+    QKV_ASSIGN_OR_RETURN(done, device_.done(wait));
+  }
+  while (!retired_.empty() && retired_.front().first <= done) {
+    host_->Free(retired_.front().second);
+    retired_.pop_front();
+  }
+  CountHost();
+  return Status::Ok();
+}
+
 const void* TierMover::HostHome(uint32_t page) const {
   const Home& h = homes_[page];
   return h.host_valid ? host_->data(h.host_slot) : nullptr;
@@ -113,7 +136,7 @@ Status TierMover::Prefetch(uint32_t page, bool ahead) {
   // by demotions in flight, the high-water rule refused every such promotion
   // and a 1M-token CUDA run skipped the same third of its selections each step.
   if (!ahead) return PromoteOrQueue(page);
-  if (host_->used() + 1 > high_water_ * host_->capacity()) return Status::Ok();  // no room to spare
+  if (homes_used() + 1 > high_water_ * host_->capacity()) return Status::Ok();  // no room to spare
   QKV_ASSIGN_OR_RETURN(const bool started, PromoteIfRoom(page));
   if (started) ++stats_.prefetches;
   return Status::Ok();
@@ -166,14 +189,22 @@ Result<bool> TierMover::PromoteIfRoom(uint32_t page) {
 void TierMover::Drop(uint32_t page) {
   Home& h = homes_[page];
   if (h.io != Io::kIdle) (void)WaitIdle(page);  // its outcome no longer matters
+  const bool was_readable = h.host_valid;
   SetHostValid(page, false);
-  if (h.host_slot != kNoSlot) host_->Free(h.host_slot);
+  if (h.host_slot != kNoSlot) {
+    if (was_readable) {
+      ReleaseHome(h.host_slot);
+    } else {
+      host_->Free(h.host_slot);
+    }
+  }
   if (disk_) disk_->Drop(page);
   h = Home{};
   CountHost();
 }
 
 Status TierMover::Pump(int64_t step) {
+  QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
   QKV_RETURN_IF_ERROR(StartPending());
@@ -182,7 +213,7 @@ Status TierMover::Pump(int64_t step) {
   // on a 1M-token run whose host tier sat above its high-water mark. A
   // failing disk gets one probe write at a time.
   const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
-  if (host_->used() > high_water_ * host_->capacity())
+  if (homes_used() > high_water_ * host_->capacity())
     QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes));
   return Status::Ok();
 }
@@ -219,7 +250,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
     // (a later demotion drops it for free, the disk copy being there).
     if (h.pinned_epoch < read_epoch_) {
       SetHostValid(c.page_id, false);
-      host_->Free(h.host_slot);
+      ReleaseHome(h.host_slot);
       h.host_slot = kNoSlot;
     }
   } else {
@@ -255,7 +286,7 @@ Status TierMover::WaitIdle(uint32_t page) {
 // are used; a page selected since the order was made is passed over.
 Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_flight) {
   auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
-  std::size_t used = host_->used();
+  std::size_t used = homes_used();
   bool queue_full = false;
   const int64_t max_age = kOrderAgeModelSteps * 2 * std::max(1, g_.layers);
   // A stale or used-up order is rebuilt; one that runs out without reaching
@@ -285,7 +316,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
       if (disk_->Holds(p, h.generation)) {
         // Immutable page already on disk: leaving the host costs no write.
         SetHostValid(p, false);
-        host_->Free(h.host_slot);
+        ReleaseHome(h.host_slot);
         h.host_slot = kNoSlot;
         ++stats_.clean_drops;
         --used;
@@ -306,7 +337,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
         // The host copy no longer matches its seal: it must never be served.
         ++stats_.corruptions;
         SetHostValid(p, false);
-        host_->Free(h.host_slot);
+        ReleaseHome(h.host_slot);
         h.host_slot = kNoSlot;
         h.error = ticket.status();
         --used;
@@ -330,16 +361,26 @@ Status TierMover::DemotionFailed() const {
 // submitting; a disk already failing gets one probe write, which ends the
 // failing state if it lands.
 Status TierMover::MakeHostRoom(int64_t step) {
+  // Slots the device is done with first; a wait for the device (a decode
+  // call or so) is cheaper than a demotion's write.
+  QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
+  if (host_->used() == host_->capacity() && !retired_.empty()) QKV_RETURN_IF_ERROR(Recycle(/*wait=*/true));
+  if (host_->used() < host_->capacity()) return Status::Ok();
   if (!disk_) return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
                                                " pages) and no disk tier to demote to");
   const int64_t failures_before = write_failures_;
   const int attempts = writes_failing() ? 1 : kIoAttempts;
   const std::size_t target = std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity()));
   while (host_->used() == host_->capacity()) {
+    if (!retired_.empty()) {  // demoted in an earlier pass of this loop
+      QKV_RETURN_IF_ERROR(Recycle(/*wait=*/true));
+      if (host_->used() < host_->capacity()) break;
+    }
     const bool gave_up = write_failures_ - failures_before >= attempts;
     if (gave_up && disk_->in_flight() == 0) return DemotionFailed();
     if (!gave_up) QKV_RETURN_IF_ERROR(Demote(target, step, writes_failing() ? 1 : INT32_MAX));
     if (host_->used() < host_->capacity()) break;
+    if (!retired_.empty()) continue;  // clean drops, back once the device is done
     if (disk_->in_flight() == 0) {
       if (writes_failing()) return DemotionFailed();
       const DiskStats& d = disk_->stats();

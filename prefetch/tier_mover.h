@@ -25,6 +25,12 @@
 // promotion read failed kIoAttempts times in a row is an IOError for the
 // decode step that selects it, under `deadline` too.
 //
+// A host home the device may still be reading is not reused too soon: a
+// backend whose decode calls return before the device is done with them
+// reports them (SetDeviceReads), and a readable home that stops being so
+// while such a call may still read it keeps its slot out of use until that
+// call is done (the slot counts as used meanwhile).
+//
 // Sealed pages are immutable, so every copy is clean and nothing is ever
 // written back from hbm more than once. The runtime drives this from the
 // decode thread (Pump once per decode call); nothing here starts a thread.
@@ -77,6 +83,19 @@ class TierMover {
   // host_addr table, which its resolve reads.
   using HomeListener = std::function<void(uint32_t page, const void* home)>;
   void SetHomeListener(HomeListener listener) { listener_ = std::move(listener); }
+
+  // Device work that may read host homes, counted in calls: `queued` is the
+  // newest call enqueued (1, 2, ...; 0: none), `done(wait)` the newest one
+  // finished, after waiting for every queued one when `wait` is set. A host
+  // slot whose page stops being readable (demoted, dropped) returns to use
+  // once every call queued by then is done.
+  struct DeviceReads {
+    std::function<uint64_t()> queued;
+    std::function<Result<uint64_t>(bool wait)> done;
+  };
+  void SetDeviceReads(DeviceReads reads) { device_ = std::move(reads); }
+  // Host slots out of use until the device is done with them.
+  std::size_t retired_slots() const { return retired_.size(); }
 
   // Gives a full page its host home, in two halves: SealBegin reserves the
   // home and returns it to be filled (ResourceExhausted when host and disk
@@ -166,7 +185,15 @@ class TierMover {
   // Starts pending_'s promotions, oldest first, while there is room.
   Status StartPending();
   void CountHost();
+  // Host slots holding homes (used, less those retired): what the water marks judge.
+  std::size_t homes_used() const { return host_->used() - retired_.size(); }
   void SetHostValid(uint32_t page, bool valid);
+  // Frees the slot of a home that was readable: at once, or once the device
+  // calls that may read it are done.
+  void ReleaseHome(uint32_t slot);
+  // Returns retired slots whose readers are done (all of them, after waiting
+  // for the device, when `wait`).
+  Status Recycle(bool wait);
 
   Geometry g_;
   ColdMissPolicy policy_;
@@ -185,6 +212,8 @@ class TierMover {
   int write_failures_in_a_row_ = 0;      // since the last good one
   Status last_write_error_;
   HomeListener listener_;
+  DeviceReads device_;
+  std::deque<std::pair<uint64_t, uint32_t>> retired_;  // (newest call that may read it, slot), oldest first
 };
 
 }  // namespace questkv

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -267,6 +268,64 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   EXPECT_EQ(published_.count(p - 1), 0u) << "the refused page was published";
   CheckHomes();
   std::filesystem::remove_all(dir_.string() + "-small");
+}
+
+// A device reads host homes in place (the CUDA backend's zero-copy misses)
+// for calls that return before it is done: a home that stops being readable
+// while such a call may read it is reused only once that call is done —
+// after the next Pump that finds it done, or at once when a seal needs the
+// room and waits for the device.
+TEST_F(TierMoverTest, HomesTheDeviceMayReadAreReusedOnlyAfterItsCalls) {
+  uint64_t queued = 0, done = 0;
+  int waits = 0;
+  mover_->SetDeviceReads({[&] { return queued; }, [&](bool wait) -> Result<uint64_t> {
+                            if (wait) {
+                              ++waits;
+                              done = queued;
+                            }
+                            return done;
+                          }});
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(5 * p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  std::vector<const void*> old_homes;
+  for (uint32_t p : {0u, 1u, 2u}) old_homes.push_back(mover_->HostHome(p));
+  queued = 1;  // a call that may read every readable home, not yet done
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  for (uint32_t p : {0u, 1u, 2u}) {
+    EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+    EXPECT_EQ(published_[p], nullptr) << "page " << p;
+  }
+  EXPECT_EQ(mover_->retired_slots(), 3u);
+  EXPECT_EQ(host_->used(), 7u) << "retired slots count as used";
+  EXPECT_EQ(waits, 0);
+  // The one free slot, then a seal that needs the device to be done.
+  SealPage(7, 70, 22);
+  EXPECT_EQ(std::count(old_homes.begin(), old_homes.end(), mover_->HostHome(7)), 0)
+      << "a home still read by the device was reused";
+  EXPECT_EQ(waits, 0);
+  SealPage(8, 80, 22);
+  EXPECT_EQ(waits, 1) << "the seal did not wait for the device";
+  EXPECT_EQ(mover_->retired_slots(), 0u);
+  CheckHomes();
+  // A dropped page's home: retired while a call is queued, back at the next
+  // Pump once that call is done, without waiting.
+  queued = 2;
+  const void* home3 = mover_->HostHome(3);
+  ASSERT_NE(home3, nullptr);
+  const uint32_t used = host_->used();
+  mover_->Drop(3);
+  EXPECT_EQ(published_[3], nullptr);
+  EXPECT_EQ(host_->used(), used);
+  ASSERT_TRUE(mover_->Pump(23).ok());
+  EXPECT_EQ(mover_->retired_slots(), 1u);
+  done = 2;
+  ASSERT_TRUE(mover_->Pump(24).ok());
+  EXPECT_EQ(mover_->retired_slots(), 0u);
+  EXPECT_EQ(host_->used(), used - 1);
+  EXPECT_EQ(waits, 1);
+  truth_.erase(3);
+  CheckHomes();
 }
 
 }  // namespace
