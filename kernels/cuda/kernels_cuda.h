@@ -347,7 +347,7 @@ ResolveFillList ResolveFills(const ResolvePlan& plan, void* workspace);
 cudaError_t CopyResolveCountersAsync(const ResolveCounters* device, ResolveCounters* pinned_host,
                                      cudaStream_t stream);
 
-// ==== around the step: table edits, seal copies, conversion (kernels/cuda/tables.cu) ====
+// ==== around the step: table edits, seal copies, step reports, conversion (kernels/cuda/tables.cu) ====
 
 // The residency and slot tables of the resolve (same meaning as ResolveParams).
 struct DeviceTables {
@@ -383,6 +383,31 @@ struct SealJob {
   void* v_dst;
 };
 cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, cudaStream_t stream);
+
+// What the host learns of a decode step, written straight into mapped
+// pinned memory (no copy on the stream): each row's selected pages as page
+// ids, the rows' counts, and the resolve's cold-miss requests.
+struct StepReportParams {
+  // The step's selection (select's outputs) and page table.
+  const int32_t* sel_indptr = nullptr;   // [rows + 1]
+  const int32_t* sel_count = nullptr;    // [rows]
+  const int32_t* sel_pages = nullptr;    // logical page indices
+  const int32_t* page_indptr = nullptr;  // [batch + 1]
+  const uint32_t* page_ids = nullptr;
+  int rows = 0, kv_heads = 0;            // row r is sequence r / kv_heads
+  bool first_head_only = false;          // pages of each sequence's first row only (a dense
+                                         // layer: every row selects every page)
+  const ResolveRequest* cold = nullptr;  // the resolve's queue
+  const int32_t* cold_count = nullptr;
+  // Outputs (device pointers of mapped host memory).
+  uint32_t* pages = nullptr;             // [sel_indptr[rows]]: ids of row r's first counts[r]
+                                         // entries; null: not written
+  int32_t* counts = nullptr;             // [rows] entries used (min of sel_count and the row's capacity)
+  int32_t* cold_out_count = nullptr;     // *cold_count as the resolve left it (may exceed cold_cap)
+  ResolveRequest* cold_out = nullptr;    // [cold_cap] the first requests
+  int cold_cap = 0;
+};
+cudaError_t LaunchStepReport(const StepReportParams& p, cudaStream_t stream);
 
 // dst[i] = (To) src[i] for n elements.
 cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream);

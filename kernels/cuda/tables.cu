@@ -1,6 +1,7 @@
 // Small kernels the CUDA backend (runtime/cuda/) needs around the
 // decode-step kernels: batched edits of the device tables, the seal copy
-// (tail slots -> pinned host home, the mirror of the resolve gather) and dtype
+// (tail slots -> pinned host home, the mirror of the resolve gather), the
+// step report (what the host reads of a step, one call later) and dtype
 // conversion of host-API inputs and outputs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
@@ -64,6 +65,24 @@ __global__ void SealCopyKernel(const SealJob* __restrict__ jobs, int n, uint32_t
   }
 }
 
+// Block r < rows: row r's page ids and count; block rows: the cold queue.
+__global__ void StepReportKernel(StepReportParams p) {
+  const int r = blockIdx.x;
+  if (r < p.rows) {
+    const int32_t begin = p.sel_indptr[r], cap = p.sel_indptr[r + 1] - begin;
+    const int32_t n = p.sel_count ? min(p.sel_count[r], cap) : cap;
+    if (threadIdx.x == 0) p.counts[r] = n;
+    if (!p.pages || (p.first_head_only && r % p.kv_heads)) return;
+    const uint32_t* ids = p.page_ids + p.page_indptr[r / p.kv_heads];
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x) p.pages[begin + i] = ids[p.sel_pages[begin + i]];
+    return;
+  }
+  const int32_t total = *p.cold_count;
+  if (threadIdx.x == 0) *p.cold_out_count = total;
+  const int32_t n = min(total, p.cold_cap);
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) p.cold_out[i] = p.cold[i];
+}
+
 template <typename From, typename To>
 __global__ void ConvertKernel(const From* __restrict__ src, To* __restrict__ dst, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
@@ -90,6 +109,13 @@ cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, 
   if (piece_bytes % 16) return Unsupported("seal copy piece_bytes", (long long)piece_bytes, "multiples of 16");
   SealCopyKernel<<<GridFor(std::size_t(n) * 2 * (piece_bytes / 16)), kThreads, 0, stream>>>(
       jobs, n, uint32_t(piece_bytes / 16));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchStepReport(const StepReportParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.cold_cap < 0 || !p.counts || !p.cold_out_count || !p.cold_count || !p.sel_indptr)
+    return cudaErrorInvalidValue;
+  StepReportKernel<<<p.rows + 1, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -24,6 +24,8 @@ Status CudaBackendImpl::Init() {
   QKV_CUDA(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
   QKV_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : ev_) QKV_CUDA(cudaEventCreate(&e));
+  for (Report& r : reports_) QKV_CUDA(cudaEventCreateWithFlags(&r.done, cudaEventDisableTiming));
+  mover_->SetDeviceReads({[this] { return ReadsQueued(); }, [this](bool wait) { return ReadsDone(wait); }});
   void* hd = nullptr;
   host_base_ = reinterpret_cast<const char*>(host_->base());
   QKV_CUDA(cudaHostGetDevicePointer(&hd, host_->base(), 0));
@@ -96,12 +98,44 @@ Status CudaBackendImpl::Sync() {
     QKV_CUDA(cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaStreamSynchronize(stream_));
   stage_used_ = 0;
+  reads_done_ = reads_queued_;
+  for (auto& [ticket, e] : ticket_events_) spare_events_.push_back(e);
+  ticket_events_.clear();
   if (unchecked_async_) {
     unchecked_async_ = false;
     if (c.bypasses > bypasses_seen_ && async_error_.ok()) async_error_ = NoSlotFault(c.bypasses - bypasses_seen_);
     bypasses_seen_ = c.bypasses;
   }
   return Status::Ok();
+}
+
+// A call that returns before the device is done with it: its ticket, and
+// an event that says when it is done.
+Status CudaBackendImpl::TicketCall() {
+  cudaEvent_t e = nullptr;
+  if (spare_events_.empty()) {
+    QKV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  } else {
+    e = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  ticket_events_.emplace_back(++reads_queued_, e);
+  QKV_CUDA(cudaEventRecord(e, stream_));
+  return Status::Ok();
+}
+
+Result<uint64_t> CudaBackendImpl::ReadsDone(bool wait) {
+  if (wait && !ticket_events_.empty()) QKV_CUDA(cudaEventSynchronize(ticket_events_.back().second));
+  while (!ticket_events_.empty()) {
+    const auto [ticket, e] = ticket_events_.front();
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaErrorNotReady) break;
+    QKV_CUDA(q);
+    reads_done_ = ticket;
+    spare_events_.push_back(e);
+    ticket_events_.pop_front();
+  }
+  return reads_done_;
 }
 
 Status CudaBackendImpl::Upload(void* dev_dst, const void* src, std::size_t bytes) {

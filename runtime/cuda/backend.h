@@ -23,17 +23,19 @@
 // layers).
 //
 // Synchronisation: every call is ordered on one CUDA stream (stream()). A
-// decode step on device pointers returns as soon as it is enqueued when
-// nothing on the host has to wait for it: no disk tier (so no host home can
-// move, be reused or be freed under a kernel that reads it — without a disk
-// host homes live as long as their pages, and a freed home is only rewritten
-// by later work on the same stream), no selections asked for, no phase
-// timing. It reads nothing back: the next wait checks the device's
-// cumulative count of selected head-pages that found no slot, and such a
-// fault comes back from the next call or from Synchronize(). Every other call
-// returns with the device idle, so with a disk tier the host-side tiers may
-// move homes between calls without racing a kernel. Within a step nothing
-// waits on the host except cold misses under `strict`.
+// decode step on device pointers returns as soon as it is enqueued unless
+// the host must wait for it: selections asked for, phase timing, or cold
+// misses under `strict` with a disk tier. What the host learns of a step —
+// the pages it selected (the mover's demotion order) and its cold misses
+// (promoted for the next steps under `deadline`) — a small kernel writes into
+// mapped pinned memory (a Report), read one call later, when the next call
+// is enqueued, or at Synchronize(). Host homes stay put under queued kernels:
+// every such call takes a ticket and the mover keeps a home that stops being
+// readable out of use until the calls queued by then are done
+// (TierMover::SetDeviceReads). The device's cumulative count of selected
+// head-pages that found no slot is checked at the next wait, and such a
+// fault comes back from the next call or from Synchronize(). Within a step
+// nothing waits on the host except cold misses under `strict`.
 //
 // Thread-compatible; one CUDA stream.
 //
@@ -51,6 +53,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <string>
@@ -170,6 +173,7 @@ class CudaBackendImpl final : public DataPlane {
   CudaBackendImpl(const Config& c, PageAllocator* ids, TierMover* mover, SlotArena* host)
       : c_(c), g_(c.geometry), ids_(ids), mover_(mover), host_(host) {}
   ~CudaBackendImpl() override {
+    mover_->SetDeviceReads({});  // the mover may outlive the backend; the device is idle below
     if (c_.cuda_profile_host && prof_.calls) {
       std::string line;
       for (int i = 0; i < kHostPhases; ++i) {
@@ -184,6 +188,12 @@ class CudaBackendImpl final : public DataPlane {
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
+    for (Report& r : reports_) {
+      if (r.done) cudaEventDestroy(r.done);
+      if (r.host) cudaFreeHost(r.host);
+    }
+    for (auto& [ticket, e] : ticket_events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     if (stage_) cudaFreeHost(stage_);
     ClearGraphs();
     if (io_) cudaFreeHost(io_);
@@ -221,6 +231,7 @@ class CudaBackendImpl final : public DataPlane {
   bool on_device() const override { return true; }
   Status Synchronize() override {
     QKV_RETURN_IF_ERROR(Sync());
+    QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/false));
     return std::exchange(async_error_, Status::Ok());
   }
   void* stream() const override { return stream_; }
@@ -248,7 +259,7 @@ class CudaBackendImpl final : public DataPlane {
   };
   // What one step's functions share: its shapes, plans, header and buffers.
   struct IoLayout {  // offsets in io_ of what a synchronous step reads back
-    std::size_t out = 0, counts = 0, totals = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+    std::size_t out = 0, totals = 0, sel_pages = 0, sel_count = 0, bytes = 0;
   };
   struct StepPlan {
     explicit StepPlan(HostProfile& prof) : clock(prof) {}
@@ -263,7 +274,7 @@ class CudaBackendImpl final : public DataPlane {
     kc::AttendPlan aplan;
     int64_t entries = 0;  // selection bound of the whole batch
     bool strict = false, cold_waits = false, fill_in_attention = false;
-    bool want_sel = false, timed = false, async = false;
+    bool want_sel = false, note = false, timed = false, async = false;
     int qcap = 0;
     std::size_t qbytes_req = 0;
     IoLayout io;
@@ -274,7 +285,6 @@ class CudaBackendImpl final : public DataPlane {
     const void* q = nullptr;
     kc::ResolveParams rp;
     std::vector<kc::ResolveRequest> cold;
-    int32_t cold_count = 0;
   };
   Status RunStep(const StepArgs& s);
   Status PlanStep(const StepArgs& s, StepPlan& p);
@@ -288,7 +298,32 @@ class CudaBackendImpl final : public DataPlane {
   Status Enqueue(const StepArgs& s, StepPlan& p, bool capturing);
   Status Launch(const StepArgs& s, StepPlan& p);
   Status ReadBack(const StepArgs& s, StepPlan& p);
-  Status NoteSelections(const StepArgs& s, StepPlan& p);
+  Status ReturnSelections(const StepArgs& s, StepPlan& p);
+  // What the host learns of a step, written by kc::LaunchStepReport into
+  // mapped pinned memory and read once `done` has passed.
+  struct Report {
+    char* host = nullptr;
+    char* dev = nullptr;
+    std::size_t cap = 0;
+    cudaEvent_t done = nullptr;
+    bool pending = false;
+    uint64_t seq = 0;  // order of queuing
+    int64_t step = 0;
+    bool strict = false, first_head_only = false;
+    int rows = 0, kv_heads = 0;
+    std::vector<int32_t> sel_indptr, page_counts;  // [rows + 1], [batch]
+    std::size_t o_counts = 0, o_cold_count = 0, o_cold = 0;  // pages at 0
+    int cold_cap = 0;
+  };
+  Status QueueReport(const StepArgs& s, const StepPlan& p);
+  // Applies pending reports, oldest first, waiting for each; all of them, or
+  // all but the newest. *selected: the head-pages they selected.
+  Status TakeReports(bool keep_newest, int64_t* selected = nullptr);
+  Status ApplyReport(Report& r, int64_t* selected);
+  // Tickets of the calls that may still read host homes (see the top).
+  uint64_t ReadsQueued() const { return reads_done_ < reads_queued_ ? reads_queued_ : 0; }
+  Result<uint64_t> ReadsDone(bool wait);
+  Status TicketCall();
   Status ReadTail(uint32_t part, PageId tail, void* dst);
   struct Partition {
     bool live = false;
@@ -416,6 +451,11 @@ class CudaBackendImpl final : public DataPlane {
   bool unchecked_async_ = false;
   uint64_t bypasses_seen_ = 0;
   Status async_error_;  // the first such fault, until returned
+  Report reports_[2];
+  uint64_t report_seq_ = 0;
+  uint64_t reads_queued_ = 0, reads_done_ = 0;
+  std::deque<std::pair<uint64_t, cudaEvent_t>> ticket_events_;  // oldest first
+  std::vector<cudaEvent_t> spare_events_;
 
   Status ReserveIo(std::size_t bytes) {
     if (bytes <= io_cap_) return Status::Ok();

@@ -54,15 +54,24 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   p.q = s.host_f32 ? (g_.dtype == DType::kF32 ? q_f32_.as() : q_.as()) : s.q;
   p.rp = ResolveParamsFor(s, p);
   QKV_RETURN_IF_ERROR(Launch(s, p));
+  if (p.note) QKV_RETURN_IF_ERROR(QueueReport(s, p));
   if (p.async) {
+    QKV_RETURN_IF_ERROR(TicketCall());
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
     if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
     p.clock.Mark(kLaunch);
+    // The previous call's report, while this one runs.
+    QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/true));
+    p.clock.Mark(kReadback);
     return Status::Ok();
   }
   QKV_RETURN_IF_ERROR(ReadBack(s, p));
-  QKV_RETURN_IF_ERROR(NoteSelections(s, p));
-  p.clock.Mark(kReadback);  // selections, timings, host queues
+  QKV_RETURN_IF_ERROR(ReturnSelections(s, p));
+  int64_t reported = 0;
+  QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/false, &reported));
+  if (s.selected && !p.want_sel) *s.selected += p.note ? reported : p.entries;  // entries: exact for max/mean
+                                                                                 // and dense; union rows may use less
+  p.clock.Mark(kReadback);  // selections, timings, reports
   return Status::Ok();
 }
 
@@ -152,20 +161,20 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   ashape.chain = c_.cuda_chain_kernels;
   if (!kc::PlanAttend(ashape, std::max(p.max_row, 1), sms_, &p.aplan, &err))
     return Status::InvalidArgument(err);
-  // The mover counts selections for its demotion order; a dense layer's are
-  // every page, known here without reading 4 bytes per head-page back.
-  p.want_sel = s.selections || (mover_->has_disk() && !p.shape.dense);
+  // The caller's selections come back with the call; the mover's (its
+  // demotion order, and the cold misses to promote) in a report.
+  p.want_sel = s.selections != nullptr;
+  p.note = mover_->has_disk();
   // A step whose phases are to be timed is launched directly (see Launch).
   p.timed = s.select_us || s.resolve_us || s.attend_us;
   // Nothing on the host waits for this step: it returns once enqueued (see
-  // the header: without a disk tier no host home moves under it).
-  p.async = !s.host_f32 && !p.want_sel && !p.timed && !mover_->has_disk();
+  // the header: host homes stay put under it).
+  p.async = !s.host_f32 && !p.want_sel && !p.timed && !p.cold_waits;
   return Status::Ok();
 }
 
 // Device buffers for this shape, and the pinned area a synchronous step
-// reads back into: f32 out, the cold-miss count, the cumulative counters and
-// the selection.
+// reads back into: f32 out, the cumulative counters and the selection.
 Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   const std::size_t qbytes = p.qelems * DTypeBytes(g_.dtype);
   QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
@@ -190,8 +199,7 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   }
   IoLayout& io = p.io;
   io.out = 0;
-  io.counts = io.out + Align256(s.host_f32 ? p.qelems * 4 : 0);
-  io.totals = io.counts + 256;
+  io.totals = io.out + Align256(s.host_f32 ? p.qelems * 4 : 0);
   io.sel_pages = io.totals + Align256(sizeof(kc::ResolveCounters));
   io.sel_count = io.sel_pages + Align256(p.want_sel ? p.entries * 4 : 0);
   io.bytes = io.sel_count + Align256(p.want_sel ? p.rows * 4 : 0);

@@ -129,7 +129,6 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
   if (s.host_f32)
     QKV_CUDA(cudaMemcpyAsync(io_ + io.out, g_.dtype != DType::kF32 ? o_f32_.as() : o_.as(), p.qelems * 4,
                              cudaMemcpyDeviceToHost, stream_));
-  QKV_CUDA(cudaMemcpyAsync(io_ + io.counts, p.rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
                            stream_));
   if (p.want_sel) {
@@ -141,7 +140,6 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
   QKV_RETURN_IF_ERROR(Sync());
   p.clock.Mark(kDeviceWait);
   if (s.host_f32) std::memcpy(s.out, io_ + io.out, p.qelems * 4);
-  std::memcpy(&p.cold_count, io_ + io.counts, sizeof(p.cold_count));
   // Bypasses since the last check: this step's and any earlier asynchronous
   // step's, reported now.
   kc::ResolveCounters totals;
@@ -161,52 +159,132 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
   return Status::Ok();
 }
 
-// The selections read back (read in place: io_ stays put until the next
-// step) to the caller and to the mover's demotion order; under deadline the
-// pages attended without start their promotion now.
-Status CudaBackendImpl::NoteSelections(const StepArgs& s, StepPlan& p) {
+// The caller's selections, read back into io_ (read in place: io_ stays
+// put until the next step).
+Status CudaBackendImpl::ReturnSelections(const StepArgs& s, StepPlan& p) {
+  if (!p.want_sel) return Status::Ok();
   const int H = g_.kv_heads;
   const std::vector<int32_t>& sel_indptr = p.splan.out_indptr;
   const int32_t* sel_pages = reinterpret_cast<const int32_t*>(io_ + p.io.sel_pages);
   const int32_t* sel_count = reinterpret_cast<const int32_t*>(io_ + p.io.sel_count);
-  // A page is noted once per call: a row selecting every page notes them all,
-  // so the other rows of its sequence need not (NoteSelected is idempotent
-  // within a step, but at 1M tokens a dense layer's 8 rows were 524K scattered
-  // writes a call).
-  const bool note = mover_->has_disk();
-  if (p.want_sel) {
-    if (s.selections) s.selections->resize(p.B);
-    for (int b = 0; b < p.B; ++b) {
-      const PageList& list = *s.lists[b];
-      PageSelection* out = s.selections ? &(*s.selections)[b] : nullptr;
-      if (out) {
-        out->indptr.assign(1, 0);
-        out->pages.clear();
-      }
-      bool noted_all = false;
-      for (int h = 0; h < H; ++h) {
-        const int r = b * H + h;
-        const int n = std::min(sel_count[r], sel_indptr[r + 1] - sel_indptr[r]);
-        const int32_t* row = sel_pages + sel_indptr[r];
-        if (out) out->pages.insert(out->pages.end(), row, row + n);
-        if (note && !noted_all) {
-          for (int i = 0; i < n; ++i) mover_->NoteSelected(list.pages[row[i]], s.step);
-          noted_all = n == p.counts[b];
-        }
-        if (s.selected) *s.selected += n;
-        if (out) out->indptr.push_back(int32_t(out->pages.size()));
-      }
+  s.selections->resize(p.B);
+  for (int b = 0; b < p.B; ++b) {
+    PageSelection& out = (*s.selections)[b];
+    out.indptr.assign(1, 0);
+    out.pages.clear();
+    for (int h = 0; h < H; ++h) {
+      const int r = b * H + h;
+      const int n = std::min(sel_count[r], sel_indptr[r + 1] - sel_indptr[r]);
+      const int32_t* row = sel_pages + sel_indptr[r];
+      out.pages.insert(out.pages.end(), row, row + n);
+      if (s.selected) *s.selected += n;
+      out.indptr.push_back(int32_t(out.pages.size()));
     }
-  } else {
-    if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
-    if (note)  // a dense layer (see want_sel): every page of every sequence
-      for (int b = 0; b < p.B; ++b)
-        for (PageId page : s.lists[b]->pages) mover_->NoteSelected(page, s.step);
   }
-  if (!p.strict && mover_->has_disk() && p.cold_count > 0) {
-    QKV_RETURN_IF_ERROR(ReadCold(p, p.cold_count));
-    for (const kc::ResolveRequest& r : p.cold) QKV_RETURN_IF_ERROR(mover_->Prefetch(r.page, /*ahead=*/false));
+  return Status::Ok();
+}
+
+// Cold-miss requests a report carries: a call's first ones (a miss beyond
+// them is missed again and promoted then).
+constexpr int kReportedColdMisses = 16384;
+
+// The step's report into the next buffer (applying what it held first).
+Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
+  Report* r = &reports_[0];
+  for (Report& x : reports_)
+    if (!x.pending || x.seq < r->seq) r = &x;  // a free buffer, else the oldest
+  if (r->pending) {
+    QKV_CUDA(cudaEventSynchronize(r->done));
+    QKV_RETURN_IF_ERROR(ApplyReport(*r, nullptr));
   }
+  const bool dense = p.shape.dense;
+  r->cold_cap = std::min(p.qcap, kReportedColdMisses);
+  r->o_counts = Align256(std::size_t(p.entries) * 4);
+  r->o_cold_count = r->o_counts + Align256(std::size_t(p.rows) * 4);
+  r->o_cold = r->o_cold_count + 256;
+  const std::size_t bytes = r->o_cold + std::size_t(r->cold_cap) * sizeof(kc::ResolveRequest);
+  if (bytes > r->cap) {  // nothing queued writes it: it was applied above
+    const std::size_t cap = std::max(bytes, 2 * r->cap);
+    if (r->host) cudaFreeHost(r->host);
+    r->host = nullptr;
+    r->cap = 0;
+    QKV_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&r->host), cap, cudaHostAllocMapped | cudaHostAllocPortable));
+    r->cap = cap;
+    void* dev = nullptr;
+    QKV_CUDA(cudaHostGetDevicePointer(&dev, r->host, 0));
+    r->dev = static_cast<char*>(dev);
+  }
+  kc::StepReportParams rp;
+  rp.sel_indptr = p.d_hdr + p.o_sel;
+  rp.sel_count = sel_count_.as<int32_t>();
+  rp.sel_pages = sel_pages_.as<int32_t>();
+  rp.page_indptr = p.d_hdr;
+  rp.page_ids = p.page_ids;
+  rp.rows = p.rows;
+  rp.kv_heads = g_.kv_heads;
+  rp.first_head_only = dense;  // each row of a dense layer selects every page
+  rp.cold = p.rp.cold;
+  rp.cold_count = p.rp.cold_count;
+  rp.pages = reinterpret_cast<uint32_t*>(r->dev);
+  rp.counts = reinterpret_cast<int32_t*>(r->dev + r->o_counts);
+  rp.cold_out_count = reinterpret_cast<int32_t*>(r->dev + r->o_cold_count);
+  rp.cold_out = reinterpret_cast<kc::ResolveRequest*>(r->dev + r->o_cold);
+  rp.cold_cap = r->cold_cap;
+  QKV_CUDA(kc::LaunchStepReport(rp, stream_));
+  QKV_CUDA(cudaEventRecord(r->done, stream_));
+  r->pending = true;
+  r->seq = ++report_seq_;
+  r->step = s.step;
+  r->strict = p.strict;
+  r->first_head_only = dense;
+  r->rows = p.rows;
+  r->kv_heads = g_.kv_heads;
+  r->sel_indptr = p.splan.out_indptr;
+  r->page_counts = p.counts;
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::TakeReports(bool keep_newest, int64_t* selected) {
+  for (;;) {
+    Report* oldest = nullptr;
+    int pending = 0;
+    for (Report& x : reports_) {
+      if (!x.pending) continue;
+      ++pending;
+      if (!oldest || x.seq < oldest->seq) oldest = &x;
+    }
+    if (pending == 0 || (keep_newest && pending == 1)) return Status::Ok();
+    QKV_CUDA(cudaEventSynchronize(oldest->done));
+    QKV_RETURN_IF_ERROR(ApplyReport(*oldest, pending == 1 ? selected : nullptr));
+  }
+}
+
+// A report to the mover: each selected page noted once (a row that selected
+// every page of its sequence notes them all, so the other rows need not: at
+// 1M tokens a dense layer's 8 rows were 524K scattered writes a call), and
+// under `deadline` the cold misses' promotions started.
+Status CudaBackendImpl::ApplyReport(Report& r, int64_t* selected) {
+  r.pending = false;
+  const uint32_t* pages = reinterpret_cast<const uint32_t*>(r.host);
+  const int32_t* counts = reinterpret_cast<const int32_t*>(r.host + r.o_counts);
+  const int B = int(r.page_counts.size()), H = r.kv_heads;
+  for (int b = 0; b < B; ++b) {
+    bool noted_all = false;
+    for (int h = 0; h < H; ++h) {
+      const int row = b * H + h;
+      const int n = counts[row];
+      if (selected) *selected += n;
+      if (noted_all || (r.first_head_only && h > 0)) continue;
+      const uint32_t* ids = pages + r.sel_indptr[row];
+      for (int i = 0; i < n; ++i) mover_->NoteSelected(ids[i], r.step);
+      noted_all = n == r.page_counts[b];
+    }
+  }
+  int32_t cold = 0;
+  std::memcpy(&cold, r.host + r.o_cold_count, sizeof(cold));
+  if (r.strict || cold <= 0) return Status::Ok();
+  const auto* req = reinterpret_cast<const kc::ResolveRequest*>(r.host + r.o_cold);
+  for (int i = 0; i < std::min(cold, r.cold_cap); ++i) QKV_RETURN_IF_ERROR(mover_->Prefetch(req[i].page, /*ahead=*/false));
   return Status::Ok();
 }
 
