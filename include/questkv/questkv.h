@@ -115,9 +115,9 @@ qkv_status qkv_decode_block(qkv_runtime* rt, const uint64_t* seqs, const int* bl
                             const float* q, float* out);
 /* CUDA backend only: the same on device pointers in the config's dtype
    (k, v [n][Hkv][D]; q, out [batch][Hq][D]), ordered on qkv_cuda_stream():
-   inputs are read and out written when that stream reaches them, and without
-   a disk tier a decode call may return before its work is done (Runtime::
-   DecodeAttentionDevice). Read out after qkv_synchronize() or on the stream. */
+   inputs are read and out written when that stream reaches them, and a
+   decode call may return before its work is done (unless it waits for cold
+   misses under strict: Runtime::DecodeAttentionDevice). Read out after qkv_synchronize() or on the stream. */
 qkv_status qkv_append_device(qkv_runtime* rt, uint64_t seq, int layer, const void* k, const void* v, int64_t n);
 qkv_status qkv_decode_attention_device(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const void* q,
                                        void* out);

@@ -96,12 +96,14 @@ class Runtime {
   // GPU. Their work is ordered on cuda_stream(): k, v and q are read, and out
   // written, when that stream reaches them, so the caller produces its inputs
   // on that stream (or before the call) and reads out after it (on the
-  // stream, or after Synchronize()). Without a disk tier, and unless
-  // selections or phase timings are asked for, a decode call returns as soon
-  // as its work is enqueued: an engine's layers run back to back on the GPU
-  // with no host round trip between them. Otherwise the calls return with
-  // the work complete. A fault the device reports for an enqueued call comes
-  // back from the next call or from Synchronize().
+  // stream, or after Synchronize()). Unless selections or phase timings are
+  // asked for, or cold misses under `strict` must be waited for (a disk
+  // tier), a decode call returns as soon as its work is enqueued: an
+  // engine's layers run back to back on the GPU with no host round trip
+  // between them (the tiers learn what a call selected one call later).
+  // Otherwise the calls return with the work complete. A fault the device
+  // reports for an enqueued call comes back from the next call or from
+  // Synchronize().
   Status AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n);
   Status DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
                                std::vector<PageSelection>* selections = nullptr, AttendStats* stats = nullptr);
