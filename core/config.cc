@@ -81,6 +81,20 @@ Result<GqaMode> ParseGqaMode(std::string_view s) {
   return Status::InvalidArgument("unknown GQA mode '" + std::string(s) + "' (max, mean, union)");
 }
 
+std::string_view BlockSelectionName(BlockSelection b) {
+  switch (b) {
+    case BlockSelection::kPerPosition: return "per-position";
+    case BlockSelection::kShared: return "shared";
+  }
+  return "?";
+}
+
+Result<BlockSelection> ParseBlockSelection(std::string_view s) {
+  if (s == "per-position") return BlockSelection::kPerPosition;
+  if (s == "shared") return BlockSelection::kShared;
+  return Status::InvalidArgument("unknown block selection '" + std::string(s) + "' (per-position, shared)");
+}
+
 bool SelectionPolicy::is_dense(int layer) const {
   return std::find(dense_layers.begin(), dense_layers.end(), layer) != dense_layers.end();
 }
@@ -102,6 +116,9 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
   if (!layer_token_budgets.empty() && layer_token_budgets.size() != std::size_t(g.layers))
     return Status::InvalidArgument("layer_token_budgets has " + std::to_string(layer_token_budgets.size()) +
                                    " entries for " + std::to_string(g.layers) + " layers");
+  if (gqa > GqaMode::kUnion) return Status::InvalidArgument(Field("gqa", int(gqa), "is not a GQA mode"));
+  if (block_selection > BlockSelection::kShared)
+    return Status::InvalidArgument(Field("block_selection", int(block_selection), "is not a block selection"));
   for (int layer : dense_layers)
     if (layer < 0 || layer >= g.layers)
       return Status::InvalidArgument(Field("dense layer", layer, "is not a layer of the geometry"));

@@ -89,7 +89,8 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   static const char* kKeys[] = {"layers", "q_heads", "kv_heads", "head_dim", "page_size", "dtype", "summary_dtype",
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
-                                "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs"};
+                                "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
+                                "block_selection"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -108,6 +109,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   p.sink_pages = Narrow<int>(Int(d, "sink_pages", p.sink_pages), "sink_pages");
   p.local_pages = Narrow<int>(Int(d, "local_pages", p.local_pages), "local_pages");
   if (d.contains("gqa")) p.gqa = Value(ParseGqaMode(d.at("gqa")));
+  if (d.contains("block_selection")) p.block_selection = Value(ParseBlockSelection(d.at("block_selection")));
   std::vector<int64_t> dense = IntList(d, "dense_layers", {p.dense_layers.begin(), p.dense_layers.end()});
   p.dense_layers.clear();
   for (int64_t l : dense) p.dense_layers.push_back(Narrow<int>(l, "dense_layers"));

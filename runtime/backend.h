@@ -99,6 +99,11 @@ class DataPlane {
     int64_t step = 0;
     std::vector<PageSelection>* selections = nullptr;  // optional, resized to B
     AttendStats* stats = nullptr;                      // optional, added to
+    // Optional: the rows come in blocks of these sizes, each the positions of
+    // one sequence's block of new tokens (causal views of its list, the last
+    // the whole list), and a block selects once for all its rows
+    // (BlockSelection::kShared). Empty: every row selects on its own.
+    std::span<const int> shared_blocks;
   };
   virtual Status DecodeStep(const Step& s) = 0;
 

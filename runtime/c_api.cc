@@ -81,6 +81,7 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.geometry.summary_dtype = static_cast<questkv::SummaryDType>(c.summary_dtype);
   cfg.prefetch_pages = c.prefetch_pages;
   cfg.cuda_graphs = c.cuda_graphs != 0;
+  cfg.policy.block_selection = static_cast<questkv::BlockSelection>(c.block_selection);
   return cfg;
 }
 
@@ -88,6 +89,8 @@ questkv::Status CheckEnums(const qkv_config& c) {
   if (c.gqa < QKV_GQA_MAX || c.gqa > QKV_GQA_UNION) return questkv::Status::InvalidArgument("unknown gqa mode");
   if (c.cold_miss < QKV_COLD_MISS_STRICT || c.cold_miss > QKV_COLD_MISS_DEADLINE)
     return questkv::Status::InvalidArgument("unknown cold-miss policy");
+  if (c.block_selection < QKV_BLOCK_PER_POSITION || c.block_selection > QKV_BLOCK_SHARED)
+    return questkv::Status::InvalidArgument("unknown block selection");
   if (c.backend < QKV_BACKEND_CPU || c.backend > QKV_BACKEND_CUDA) return questkv::Status::InvalidArgument("unknown backend");
   if (c.dtype < QKV_DTYPE_F32 || c.dtype > QKV_DTYPE_BF16) return questkv::Status::InvalidArgument("unknown dtype");
   if (c.summary_dtype < QKV_SUMMARY_KV || c.summary_dtype > QKV_SUMMARY_E4M3)
@@ -120,6 +123,7 @@ void qkv_config_default(qkv_config* c) {
   c->summary_dtype = QKV_SUMMARY_KV;
   c->prefetch_pages = d.prefetch_pages;
   c->cuda_graphs = d.cuda_graphs ? 1 : 0;
+  c->block_selection = static_cast<qkv_block_selection>(d.policy.block_selection);
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include "kernels/cpu/kernels_cpu.h"
 #include "prefetch/tier_mover.h"
@@ -86,6 +87,10 @@ class CpuBackend final : public DataPlane {
   Result<HeadSource> Resolve(PageId page, int head, uint32_t part);
   Status AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out, bool strict);
   Status Decode(const Step& s);
+  // One selection for rows [b, b + n) of a shared block, over row b + n - 1's
+  // pages, from every row's queries: the block's selector ranks them as one
+  // group of n * G query heads per KV head.
+  Status SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next, int next_pages);
   Status Dense(const Step& s);
 
   Config c_;
@@ -99,6 +104,8 @@ class CpuBackend final : public DataPlane {
   int64_t deferred_seals_ = 0;
   int64_t step_ = 0;
   Selector selector_;
+  std::map<int, Selector> block_selectors_;  // shared blocks, by rows
+  std::vector<float> block_q_;
   // Scratch, reused across calls.
   PageTableCsr csr_;
   std::vector<const PageList*> lists_;
@@ -364,36 +371,95 @@ Status CpuBackend::Decode(const Step& s) {
   float* out = static_cast<float*>(s.out);
   AttendStats* stats = s.stats;
   if (s.selections) s.selections->resize(std::size_t(csr_.batch()));
-  PageSelection local;
+  const int prefetch = mover_->has_disk() ? c_.prefetch_pages : 0;
+  PageSelection local, shared;
+  std::size_t next_block = 0;
+  int block_end = 0;
   for (int b = 0; b < csr_.batch(); ++b) {
     PageSelection& sel = s.selections ? (*s.selections)[b] : local;
-    SelectInput in;
-    in.q = q + std::size_t(b) * g_.q_heads * g_.head_dim;
-    in.summary_slab = summaries_->base();
-    in.page_ids = csr_.pages(b);
-    in.num_pages = csr_.num_pages(b);
-    in.layer = s.layer;
-    const int prefetch = mover_->has_disk() ? c_.prefetch_pages : 0;
+    const uint32_t* page_ids = csr_.pages(b);
+    const int num_pages = csr_.num_pages(b);
+    const uint32_t* next_ids = page_ids;  // the list next_ indexes
+    bool scored = false;  // this row's selection read the summaries
     const auto t0 = Clock::now();
-    QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
+    if (s.shared_blocks.empty()) {
+      SelectInput in;
+      in.q = q + std::size_t(b) * g_.q_heads * g_.head_dim;
+      in.summary_slab = summaries_->base();
+      in.page_ids = page_ids;
+      in.num_pages = num_pages;
+      in.layer = s.layer;
+      QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
+      scored = !selector_.scores().empty();
+    } else {
+      if (b == block_end) {  // a block starts: rows [b, b + n)
+        if (next_block >= s.shared_blocks.size()) return Status::Internal("shared blocks cover fewer rows than the batch");
+        const int n = s.shared_blocks[next_block++];
+        block_end = b + n;
+        QKV_RETURN_IF_ERROR(SelectShared(s, b, n, &shared, &next_, prefetch));
+        scored = !block_selectors_.at(n).scores().empty();
+        next_ids = csr_.pages(block_end - 1);
+      } else {
+        next_.indptr.assign(g_.kv_heads + 1, 0);  // prefetched with the block's first row
+        next_.pages.clear();
+      }
+      // This position's share: the block's pages within its causal view.
+      sel.indptr.assign(1, 0);
+      sel.pages.clear();
+      for (int h = 0; h < g_.kv_heads; ++h) {
+        for (int i = 0; i < shared.count(h); ++i)
+          if (shared.row(h)[i] < num_pages) sel.pages.push_back(shared.row(h)[i]);
+        sel.indptr.push_back(int32_t(sel.pages.size()));
+      }
+    }
     if (stats) stats->select_us += 1e6 * Seconds(Clock::now() - t0);
     for (int h = 0; h < g_.kv_heads; ++h) {
       QKV_RETURN_IF_ERROR(AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
       const auto t1 = Clock::now();
-      for (int i = 0; i < next_.count(h); ++i) QKV_RETURN_IF_ERROR(mover_->Prefetch(in.page_ids[next_.row(h)[i]]));
+      for (int i = 0; i < next_.count(h); ++i) QKV_RETURN_IF_ERROR(mover_->Prefetch(next_ids[next_.row(h)[i]]));
       if (stats) {
         stats->attend_us += 1e6 * attend_seconds_;
         stats->resolve_us += 1e6 * (row_seconds_ - attend_seconds_ + Seconds(Clock::now() - t1));
         stats->head_pages_selected += sel.count(h);
-        stats->head_pages_total += in.num_pages;
+        stats->head_pages_total += num_pages;
         stats->kv_bytes_read += attended_ * g_.head_dim * 2 * int64_t(sizeof(float));
       }
     }
-    // The selector scores only when the budget is smaller than the page count.
-    if (stats && !selector_.scores().empty())
-      stats->summary_bytes_read += int64_t(in.num_pages) * int64_t(summaries_->page_bytes());
+    // The selector scores only when the budget is smaller than the page count;
+    // a shared block scores once, over its last row's pages.
+    if (stats && scored) {
+      const int scored_pages = s.shared_blocks.empty() ? num_pages : csr_.num_pages(block_end - 1);
+      stats->summary_bytes_read += int64_t(scored_pages) * int64_t(summaries_->page_bytes());
+    }
   }
   return Status::Ok();
+}
+
+Status CpuBackend::SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next,
+                                int next_pages) {
+  if (n < 1 || b + n > csr_.batch()) return Status::Internal("a shared block past the batch");
+  auto it = block_selectors_.find(n);
+  if (it == block_selectors_.end()) {
+    Geometry gb = g_;
+    gb.q_heads = n * g_.q_heads;
+    it = block_selectors_.emplace(n, Selector(gb, c_.policy)).first;
+  }
+  // Rows [b, b + n) of [rows][Hq][D] regrouped as [Hkv][n][G][D]: KV head h's
+  // group is every position's G query heads.
+  const int G = g_.group(), D = g_.head_dim;
+  const float* q = static_cast<const float*>(s.q);
+  block_q_.resize(std::size_t(n) * g_.q_heads * D);
+  for (int h = 0; h < g_.kv_heads; ++h)
+    for (int p = 0; p < n; ++p)
+      std::memcpy(block_q_.data() + ((std::size_t(h) * n + p) * G) * D,
+                  q + (std::size_t(b + p) * g_.q_heads + std::size_t(h) * G) * D, std::size_t(G) * D * sizeof(float));
+  SelectInput in;
+  in.q = block_q_.data();
+  in.summary_slab = summaries_->base();
+  in.page_ids = csr_.pages(b + n - 1);
+  in.num_pages = csr_.num_pages(b + n - 1);
+  in.layer = s.layer;
+  return it->second.Select(in, out, next, next_pages);
 }
 
 Status CpuBackend::Dense(const Step& s) {

@@ -154,7 +154,8 @@ struct Runtime::Impl {
   // A decode call runs in a step of its own: what it selects is protected
   // from eviction until it returns, and nothing else runs in that step.
   Status Decode(int layer, const void* q, void* out, bool host_f32, bool dense,
-                std::vector<PageSelection>* selections, AttendStats* stats) {
+                std::vector<PageSelection>* selections, AttendStats* stats,
+                std::span<const int> shared_blocks = {}) {
     ++step;
     struct StepEnd {  // ends the decode call's step however the call returns
       int64_t& step;
@@ -173,6 +174,7 @@ struct Runtime::Impl {
     st.step = step;
     st.selections = selections;
     st.stats = stats;
+    st.shared_blocks = shared_blocks;
     return backend->DecodeStep(st);
   }
 
@@ -449,7 +451,9 @@ Status Runtime::DecodeBlock(std::span<const SeqId> seqs, std::span<const int> bl
   for (const PageList& view : I.block_views) I.lists.push_back(&view);
   I.list_partitions = std::move(row_parts);
   const float* q = I.Unaliased(q_in, out, rows);
-  QKV_RETURN_IF_ERROR(I.Decode(layer, q, out, /*host_f32=*/true, /*dense=*/false, nullptr, stats));
+  const bool shared = I.config.policy.block_selection == BlockSelection::kShared;
+  QKV_RETURN_IF_ERROR(I.Decode(layer, q, out, /*host_f32=*/true, /*dense=*/false, nullptr, stats,
+                               shared ? block : std::span<const int>{}));
   return I.CheckFinite(row_seqs, q, out);
 }
 

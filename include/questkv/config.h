@@ -61,6 +61,20 @@ enum class GqaMode : uint8_t { kMax, kMean, kUnion };
 std::string_view GqaModeName(GqaMode m);
 Result<GqaMode> ParseGqaMode(std::string_view s);
 
+// Pages for a block of new tokens of one sequence (Runtime::DecodeBlock).
+//   kPerPosition: each position ranks pages with its own query, exactly as a
+//     single-token call made right after its append would.
+//   kShared: one page set for the block per KV head, chosen once over the
+//     whole list (sink and local pages of the last position) by the block's
+//     aggregate score: GqaMode's max or mean over every position and query
+//     head of the group, or with kUnion the union of each (position, head)'s
+//     top-K. Each position attends the shared pages within its causal view:
+//     an approximation (a position may miss pages its own query ranks high,
+//     and a later position's tail pages count against the budget of all).
+enum class BlockSelection : uint8_t { kPerPosition, kShared };
+std::string_view BlockSelectionName(BlockSelection b);
+Result<BlockSelection> ParseBlockSelection(std::string_view s);
+
 // Which pages each (sequence, layer, KV head) attends per decode step.
 // Selected set = sink pages (first `sink_pages`) ∪ local window (last
 // `local_pages`, so always the tail) ∪ top-K of the remaining pages by score,
@@ -76,6 +90,7 @@ struct SelectionPolicy {
   // Optional per-layer token budgets; empty, or one entry per layer, where a
   // negative entry means "use token_budget".
   std::vector<int64_t> layer_token_budgets;
+  BlockSelection block_selection = BlockSelection::kPerPosition;
 
   bool is_dense(int layer) const;
   int64_t token_budget_for(int layer) const;

@@ -47,6 +47,9 @@ typedef enum {
 
 typedef enum { QKV_GQA_MAX = 0, QKV_GQA_MEAN = 1, QKV_GQA_UNION = 2 } qkv_gqa_mode;
 typedef enum { QKV_COLD_MISS_STRICT = 0, QKV_COLD_MISS_DEADLINE = 1 } qkv_cold_miss;
+/* Pages for a block of new tokens (qkv_decode_block): each position its own,
+   or one set for the block (questkv::BlockSelection). */
+typedef enum { QKV_BLOCK_PER_POSITION = 0, QKV_BLOCK_SHARED = 1 } qkv_block_selection;
 typedef enum { QKV_BACKEND_CPU = 0, QKV_BACKEND_CUDA = 1 } qkv_backend;
 /* The model dtype of K/V (and of the device pointers of the *_device calls). */
 typedef enum { QKV_DTYPE_F32 = 0, QKV_DTYPE_F16 = 1, QKV_DTYPE_BF16 = 2 } qkv_dtype;
@@ -78,6 +81,7 @@ typedef struct {
      captured CUDA graph, 0 launches every step directly */
   int prefetch_pages;
   int cuda_graphs;
+  qkv_block_selection block_selection;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;
@@ -108,8 +112,9 @@ qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch
 /* The same for a block of block[b] >= 1 new tokens per sequence (already
    appended; speculative decoding's verify step): q and out hold one row per
    block token, sequence by sequence ([sum(block)][q_heads][head_dim]); each
-   position attends causally and selects its own pages, exactly as
-   single-token calls made after each append would (Runtime::DecodeBlock).
+   position attends causally and, with QKV_BLOCK_PER_POSITION, selects its
+   own pages, exactly as single-token calls made after each append would
+   (Runtime::DecodeBlock); QKV_BLOCK_SHARED selects once for the block.
    Roll back the rejected tokens with qkv_sequence_rollback. */
 qkv_status qkv_decode_block(qkv_runtime* rt, const uint64_t* seqs, const int* block, int batch, int layer,
                             const float* q, float* out);

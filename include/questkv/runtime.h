@@ -83,10 +83,12 @@ class Runtime {
   // block[b] >= 1 tokens of seqs[b], already appended, are its block. q and
   // out hold one row per block token, sequence by sequence:
   // [sum(block)][Hq][D]. Each position attends causally — every token up to
-  // and including its own — and selects its own pages, as a decode call
-  // made right after appending up to that token would: the outputs equal
-  // those of sum(block) single-token calls (under `strict`). Rollback then
-  // drops the rejected tail. CPU backend; the CUDA backend takes blocks of 1.
+  // and including its own. Under BlockSelection::kPerPosition (the default)
+  // each selects its own pages, as a decode call made right after appending
+  // up to that token would: the outputs equal those of sum(block)
+  // single-token calls (under `strict`). Under kShared the block selects
+  // once (see BlockSelection). Rollback then drops the rejected tail. CPU
+  // backend; the CUDA backend takes blocks of 1.
   Status DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q, float* out,
                      AttendStats* stats = nullptr);
 

@@ -211,6 +211,19 @@ class OwnedCache(unittest.TestCase):
         with self.assertRaises(RuntimeError):
             a.decode_block([sa], [64], 1, torch.zeros(64, HQ, D))
 
+    def test_shared_block_selection_is_a_config_option(self):
+        per, shared = runtime(), runtime(block_selection="shared")
+        sp, k, v = self.fill(per, 200)
+        ss = shared.create_sequence()
+        for layer in range(2):
+            shared.append(ss, layer, k, v)
+        q = torch.randn(6, HQ, D, generator=self.g)
+        one = per.decode_block([sp], [1], 1, q[:1].contiguous())
+        self.assertTrue(torch.equal(shared.decode_block([ss], [1], 1, q[:1].contiguous()), one))
+        self.assertFalse(torch.equal(shared.decode_block([ss], [6], 1, q), per.decode_block([sp], [6], 1, q)))
+        with self.assertRaises(RuntimeError):
+            runtime(block_selection="all")
+
     def test_sequences_fork_rollback_free(self):
         rt = runtime()
         s, k, v = self.fill(rt, 45)

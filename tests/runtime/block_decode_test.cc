@@ -6,6 +6,8 @@
 // forks between blocks, and a tiered runtime.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -170,6 +172,122 @@ TEST_F(BlockDecode, BadBlocksAreErrorsAndChangeNothing) {
   EXPECT_EQ(a->DecodeBlock(one, std::vector<int>{3}, 5, q.data(), out.data()).code(), Code::kOutOfRange);
   EXPECT_EQ(*a->Length(s, 1), 10);
   EXPECT_TRUE(a->DecodeBlock(one, std::vector<int>{3}, 1, q.data(), out.data()).ok());
+}
+
+// BlockSelection::kShared against a plain model of its definition, built
+// from the gathered K/V: each page's key box, scored with every position's
+// and group head's query, aggregated (max or mean) per KV head, sink and
+// local pages of the whole list plus the top-K (ties to the lower page);
+// each position then attends, causally, the selected pages it can see.
+std::vector<float> SharedBlockReference(const DenseView& view, int n, const float* q, int page_budget,
+                                        const SelectionPolicy& pol, bool dense_layer) {
+  const int T = view.tokens, P = (T + kS - 1) / kS, G = kHq / kHkv;
+  std::vector<float> out(std::size_t(n) * kQRow);
+  for (int h = 0; h < kHkv; ++h) {
+    const float* k = view.k.data() + std::size_t(h) * T * kD;
+    const float* v = view.v.data() + std::size_t(h) * T * kD;
+    std::vector<int> chosen;
+    if (dense_layer || page_budget >= P) {
+      for (int p = 0; p < P; ++p) chosen.push_back(p);
+    } else {
+      std::vector<bool> fixed(P, false);
+      for (int p = 0; p < std::min(pol.sink_pages, P); ++p) fixed[p] = true;
+      for (int p = std::max(0, P - pol.local_pages); p < P; ++p) fixed[p] = true;
+      std::vector<std::pair<double, int>> ranked;  // (-score, page)
+      for (int p = 0; p < P; ++p) {
+        if (fixed[p]) {
+          chosen.push_back(p);
+          continue;
+        }
+        double agg = pol.gqa == GqaMode::kMax ? -1e300 : 0;
+        for (int pos = 0; pos < n; ++pos)
+          for (int g = 0; g < G; ++g) {
+            const float* qh = q + (std::size_t(pos) * kHq + h * G + g) * kD;
+            double u = 0;
+            for (int d = 0; d < kD; ++d) {
+              float lo = 1e30f, hi = -1e30f;
+              for (int t = p * kS; t < std::min(T, (p + 1) * kS); ++t) {
+                lo = std::min(lo, k[std::size_t(t) * kD + d]);
+                hi = std::max(hi, k[std::size_t(t) * kD + d]);
+              }
+              u += std::max(double(qh[d]) * lo, double(qh[d]) * hi);
+            }
+            agg = pol.gqa == GqaMode::kMax ? std::max(agg, u) : agg + u / (n * G);
+          }
+        ranked.push_back({-agg, p});
+      }
+      std::sort(ranked.begin(), ranked.end());
+      const int top = page_budget - int(chosen.size());
+      for (int i = 0; i < top && i < int(ranked.size()); ++i) chosen.push_back(ranked[i].second);
+    }
+    for (int pos = 0; pos < n; ++pos) {
+      const int tokens = T - n + 1 + pos;
+      for (int g = 0; g < G; ++g) {
+        const int qh = h * G + g;
+        const auto o = test::MaskedAttention(q + (std::size_t(pos) * kHq + qh) * kD, k, v, tokens, kD, kS, chosen,
+                                             1.0 / std::sqrt(double(kD)));
+        for (int d = 0; d < kD; ++d) out[(std::size_t(pos) * kHq + qh) * kD + d] = float(o[d]);
+      }
+    }
+  }
+  return out;
+}
+
+TEST_F(BlockDecode, SharedSelectionEqualsItsDefinition) {
+  for (const GqaMode gqa : {GqaMode::kMax, GqaMode::kMean}) {
+    SCOPED_TRACE(std::string(GqaModeName(gqa)));
+    Config c = Base();
+    c.policy.block_selection = BlockSelection::kShared;
+    c.policy.gqa = gqa;
+    auto a = Make(c);
+    std::vector<SeqId> seqs;
+    const std::vector<int64_t> prefill = {61, 3, 90};
+    for (std::size_t s = 0; s < prefill.size(); ++s) {
+      seqs.push_back(*a->CreateSequence());
+      AppendAll(*a, seqs[s], prefill[s], 70 + s);
+    }
+    std::mt19937 rng(3);
+    for (int step = 0; step < 6; ++step) {
+      std::vector<int> blocks;
+      int rows = 0;
+      for (std::size_t s = 0; s < seqs.size(); ++s) rows += blocks.emplace_back(1 + int(rng() % 7));
+      for (std::size_t s = 0; s < seqs.size(); ++s) AppendAll(*a, seqs[s], blocks[s], 900 + 10 * step + s);
+      for (int l = 0; l < kLayers; ++l) {
+        const auto q = test::RandomNormal(std::size_t(rows) * kQRow, 40 * step + l);
+        std::vector<float> got(q.size());
+        AttendStats stats;
+        ASSERT_TRUE(a->DecodeBlock(seqs, blocks, l, q.data(), got.data(), &stats).ok());
+        int r = 0;
+        for (std::size_t s = 0; s < seqs.size(); ++s) {
+          const DenseView view = *a->Gather(seqs[s], l);
+          const auto want = SharedBlockReference(view, blocks[s], q.data() + r * kQRow,
+                                                 int(c.policy.token_budget / kS), c.policy, c.policy.is_dense(l));
+          EXPECT_LE(test::RelL2Error(got.data() + r * kQRow, want.data(), want.size()), 1e-5)
+              << "step " << step << " layer " << l << " sequence " << s << " block " << blocks[s];
+          r += blocks[s];
+        }
+      }
+      for (std::size_t s = 0; s < seqs.size(); ++s) ASSERT_TRUE(a->Rollback(seqs[s], int(rng() % (blocks[s] + 1))).ok());
+    }
+  }
+}
+
+// A block of one shares nothing: kShared is then kPerPosition, bit for bit.
+TEST_F(BlockDecode, SharedBlocksOfOneEqualPerPosition) {
+  Config c = Base();
+  c.policy.block_selection = BlockSelection::kShared;
+  auto a = Make(c), b = Make(Base());
+  const SeqId sa = *a->CreateSequence(), sb = *b->CreateSequence();
+  AppendAll(*a, sa, 77, 5);
+  AppendAll(*b, sb, 77, 5);
+  for (int l = 0; l < kLayers; ++l) {
+    const auto q = test::RandomNormal(kQRow, 8 + l);
+    std::vector<float> x(kQRow), y(kQRow);
+    const SeqId one_a[] = {sa}, one_b[] = {sb};
+    ASSERT_TRUE(a->DecodeBlock(one_a, std::vector<int>{1}, l, q.data(), x.data()).ok());
+    ASSERT_TRUE(b->DecodeBlock(one_b, std::vector<int>{1}, l, q.data(), y.data()).ok());
+    EXPECT_EQ(x, y) << "layer " << l;
+  }
 }
 
 }  // namespace

@@ -59,6 +59,11 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qkv_create_error()).find("summary dtype"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
+  EXPECT_EQ(cfg.block_selection, QKV_BLOCK_PER_POSITION);
+  cfg.block_selection = static_cast<qkv_block_selection>(2);
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qkv_create_error()).find("block selection"), std::string::npos) << qkv_create_error();
+  qkv_config_default(&cfg);
   EXPECT_EQ(cfg.summary_dtype, QKV_SUMMARY_KV);
   cfg.summary_dtype = QKV_SUMMARY_E4M3;
   ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();
@@ -208,6 +213,40 @@ TEST(CApi, DecodeBlockEqualsSingleTokenCalls) {
   EXPECT_EQ(qkv_decode_block(a, &sa, nullptr, 1, layer, q.data(), got.data()), QKV_INVALID_ARGUMENT);
   qkv_destroy(a);
   qkv_destroy(b);
+}
+
+// QKV_BLOCK_SHARED reaches the runtime: the C call equals the C++ one.
+TEST(CApi, SharedBlockSelectionMatchesTheCppRuntime) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  cfg.block_selection = QKV_BLOCK_SHARED;
+  qkv_runtime* a = nullptr;
+  ASSERT_EQ(qkv_create(&cfg, &a), QKV_OK);
+  Config c;
+  c.policy.block_selection = BlockSelection::kShared;
+  auto b = Runtime::Create(c);
+  ASSERT_TRUE(b.ok());
+  Config per_position;
+  auto p = Runtime::Create(per_position);
+  ASSERT_TRUE(p.ok());
+  const int row = cfg.kv_heads * cfg.head_dim, qrow = cfg.q_heads * cfg.head_dim, n = 6, layer = 3;
+  std::vector<float> kv(3000 * row), q(n * qrow), got(q.size()), want(q.size()), per(q.size());
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = std::sin(float(i) * 0.013f) + std::cos(float(i % 977));
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(float(i) * 0.07f);
+  uint64_t sa = 0;
+  ASSERT_EQ(qkv_sequence_create(a, &sa), QKV_OK);
+  const SeqId sb = *(*b)->CreateSequence(), sp = *(*p)->CreateSequence();
+  ASSERT_EQ(qkv_append(a, sa, layer, kv.data(), kv.data() + 1, 2900), QKV_OK);
+  ASSERT_TRUE((*b)->Append(sb, layer, kv.data(), kv.data() + 1, 2900).ok());
+  ASSERT_TRUE((*p)->Append(sp, layer, kv.data(), kv.data() + 1, 2900).ok());
+  const int block = n;
+  ASSERT_EQ(qkv_decode_block(a, &sa, &block, 1, layer, q.data(), got.data()), QKV_OK) << qkv_last_error(a);
+  const SeqId one_b[] = {sb}, one_p[] = {sp};
+  ASSERT_TRUE((*b)->DecodeBlock(one_b, std::vector<int>{n}, layer, q.data(), want.data()).ok());
+  ASSERT_TRUE((*p)->DecodeBlock(one_p, std::vector<int>{n}, layer, q.data(), per.data()).ok());
+  EXPECT_EQ(got, want);
+  EXPECT_NE(got, per) << "the shared selection changed nothing here: the test shows nothing";
+  qkv_destroy(a);
 }
 
 }  // namespace

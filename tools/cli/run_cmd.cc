@@ -45,7 +45,8 @@ constexpr const char* kUsage =
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
     "           --metrics-linger-ms MS (keep serving after the run; SIGTERM ends it early)\n"
     "speculative decoding, simulated (cpu): --draft N (blocks of N drafts verified by one DecodeBlock call)\n"
-    "           --accept-rate P [0.7] (each draft kept with probability P until the first rejection)\n";
+    "           --accept-rate P [0.7] (each draft kept with probability P until the first rejection)\n"
+    "           --block-selection per-position|shared [per-position] (a page set per draft, or one per block)\n";
 
 // The first min(2, layers - 1) layers: dense as in Quest, but one layer
 // always stays sparse, so a small --layers still runs the selection.
@@ -64,6 +65,8 @@ Status ParsePolicy(const Flags& f, const Geometry& g, SelectionPolicy& p) {
   p.sink_pages = int(sink), p.local_pages = int(local);
   QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
   QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
+  QKV_ASSIGN_OR_RETURN(std::string block, f.String("block-selection", "per-position"));
+  QKV_ASSIGN_OR_RETURN(p.block_selection, ParseBlockSelection(block));
   QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", DefaultDenseLayers(g.layers)));
   p.dense_layers.clear();
   for (int64_t l : dense) {
@@ -163,6 +166,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   if (accept.empty() || *end != '\0' || !(o.accept_rate >= 0 && o.accept_rate <= 1))
     return Status::InvalidArgument("--accept-rate: '" + accept + "' is not a probability in 0..1");
   if (f.has("accept-rate") && o.draft == 0) return Status::InvalidArgument("--accept-rate needs --draft");
+  if (f.has("block-selection") && o.draft == 0) return Status::InvalidArgument("--block-selection needs --draft");
 
   QKV_RETURN_IF_ERROR(ParsePolicy(f, g, p));
 
@@ -216,7 +220,7 @@ int RunMain(int argc, char** argv) {
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
-               "draft", "accept-rate"},
+               "draft", "accept-rate", "block-selection"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
                "split-long-rows", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {

@@ -868,7 +868,7 @@ std::string ReportJson(const RunReport& r) {
   j.Field("workload", WorkloadKindName(o.workload)).Field("seed", o.seed).Field("batch", o.batch);
   j.Field("context_tokens", o.context_tokens).Field("decode_steps", o.decode_steps);
   j.Field("token_budget", p.token_budget).Field("sink_pages", p.sink_pages).Field("local_pages", p.local_pages);
-  j.Field("gqa", GqaModeName(p.gqa));
+  j.Field("gqa", GqaModeName(p.gqa)).Field("block_selection", BlockSelectionName(p.block_selection));
   j.BeginArray("dense_layers");
   for (int l : p.dense_layers) j.Value(l);
   j.EndArray();
