@@ -139,16 +139,20 @@ class RuntimeHolder : public torch::CustomClassHolder {
     return int64_t(Value(rt_->CreateFromPrefix(Seq(parent), pages)));
   }
   void Rollback(int64_t seq, int64_t tokens) { Check(rt_->Rollback(Seq(seq), tokens)); }
+  void Accept(int64_t seq) { Check(rt_->Accept(Seq(seq))); }
   void Free(int64_t seq) { Check(rt_->Free(Seq(seq))); }
   int64_t Length(int64_t seq, int64_t layer) { return Value(rt_->Length(Seq(seq), Layer(layer))); }
 
-  // k, v: [n][Hkv][D].
-  void Append(int64_t seq, int64_t layer, const Tensor& k, const Tensor& v) {
+  // k, v: [n][Hkv][D]; drafts with `draft` (Runtime::AppendDraft).
+  void Append(int64_t seq, int64_t layer, const Tensor& k, const Tensor& v, bool draft) {
     TORCH_CHECK(k.dim() == 3, "k must be [n, kv_heads, head_dim], not ", k.sizes());
     const std::vector<int64_t> shape = {k.size(0), g_.kv_heads, g_.head_dim};
     CheckHostF32(k, "k", shape);
     CheckHostF32(v, "v", shape);
-    Check(rt_->Append(Seq(seq), Layer(layer), k.data_ptr<float>(), v.data_ptr<float>(), k.size(0)));
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    Check(draft ? rt_->AppendDraft(Seq(seq), Layer(layer), kp, vp, k.size(0))
+                : rt_->Append(Seq(seq), Layer(layer), kp, vp, k.size(0)));
   }
 
   // q: [B][Hq][D] -> out [B][Hq][D]; `out` when defined is written in place.
@@ -347,6 +351,7 @@ TORCH_LIBRARY(questkv, m) {
       .def("fork", &RuntimeHolder::Fork)
       .def("from_prefix", &RuntimeHolder::FromPrefix)
       .def("rollback", &RuntimeHolder::Rollback)
+      .def("accept", &RuntimeHolder::Accept)
       .def("free", &RuntimeHolder::Free)
       .def("length", &RuntimeHolder::Length)
       .def("append", &RuntimeHolder::Append)

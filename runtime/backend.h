@@ -65,9 +65,14 @@ class DataPlane {
   // ---- append ----------------------------------------------------------------------
   // Appends n >= 1 tokens [n][Hkv][D] to the list: host f32 (`host_f32`) or
   // device memory in the model dtype. Allocates the PageIds it needs and
-  // seals the pages that fill; on error nothing is appended and nothing leaks.
+  // seals the pages that fill — unless `hold` (draft tokens): then those
+  // pages stay in hbm, unsealed, until SealHeld. On error nothing is appended
+  // and nothing leaks.
   virtual Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
-                        int64_t step) = 0;
+                        int64_t step, bool hold) = 0;
+  // A full page that an Append held: sealed now (its drafts were accepted).
+  // Nothing for a page not held.
+  virtual Status SealHeld(PageId page) = 0;
   // Fork: the first `len` tokens of the tail `src` (in src_part) become the
   // new page `dst` in dst_part's tail slots.
   virtual Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t step) = 0;

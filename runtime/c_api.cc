@@ -181,6 +181,12 @@ qkv_status qkv_sequence_length(qkv_runtime* h, uint64_t seq, int layer, int64_t*
 qkv_status qkv_append(qkv_runtime* h, uint64_t seq, int layer, const float* k, const float* v, int64_t n) {
   return Guarded(h, [&] { return h->rt->Append(seq, layer, k, v, n); });
 }
+qkv_status qkv_append_draft(qkv_runtime* h, uint64_t seq, int layer, const float* k, const float* v, int64_t n) {
+  return Guarded(h, [&] { return h->rt->AppendDraft(seq, layer, k, v, n); });
+}
+qkv_status qkv_sequence_accept(qkv_runtime* h, uint64_t seq) {
+  return Guarded(h, [&] { return h->rt->Accept(seq); });
+}
 qkv_status qkv_decode_attention(qkv_runtime* h, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out) {
   return Guarded(h, [&]() -> questkv::Status {

@@ -41,12 +41,17 @@ class CpuBackend final : public DataPlane {
   void PageDied(PageId page) override {
     hbm_->Drop(page);
     std::erase(pending_seals_, page);
+    std::erase(held_, page);
   }
   void SetHome(PageId, const void*) override {}  // attention reads homes through the mover
   Status SetPages(uint32_t, std::span<const PageId>) override { return Status::Ok(); }
 
   Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
-                int64_t step) override;
+                int64_t step, bool hold) override;
+  Status SealHeld(PageId page) override {
+    if (std::erase(held_, page)) Seal(page);  // a seal that waits for room is retried later
+    return Status::Ok();
+  }
   Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t step) override {
     QKV_RETURN_IF_ERROR(ReadPage(src_part, src, page_scratch_.data(), step));
     return TailFromHost(dst_part, dst, page_scratch_.data(), len, step);
@@ -81,6 +86,13 @@ class CpuBackend final : public DataPlane {
   }
   void RebuildTailSummary(PageId tail, int len);
   bool Seal(PageId id);
+  void SealOrHold(PageId id, bool hold) {
+    if (hold) {
+      held_.push_back(id);  // its slots stay pinned
+    } else {
+      Seal(id);
+    }
+  }
   void RetryPendingSeals();
   Status WithSealCause(Status s) const;
   void UndoAppend(PageList& list, int64_t old_tokens, std::size_t old_pages);
@@ -100,6 +112,7 @@ class CpuBackend final : public DataPlane {
   std::unique_ptr<SummarySlab> summaries_;
   std::unique_ptr<HbmCache> hbm_;  // tails (pinned) + cached head-pages
   std::vector<uint32_t> pending_seals_;  // full pages whose seal waits for room
+  std::vector<uint32_t> held_;           // full pages of drafts, unsealed until accepted
   Status seal_error_;                    // why the last of them could not be sealed
   int64_t deferred_seals_ = 0;
   int64_t step_ = 0;
@@ -163,6 +176,7 @@ void CpuBackend::RebuildTailSummary(PageId tail, int len) {
 
 Status CpuBackend::TruncateTail(uint32_t, PageId tail, int len) {
   std::erase(pending_seals_, tail);  // a full page awaiting its seal is a tail again
+  std::erase(held_, tail);
   RebuildTailSummary(tail, len);
   return Status::Ok();
 }
@@ -228,7 +242,7 @@ Status CpuBackend::WithSealCause(Status s) const {
 // succeeded: on failure it is cut back to its old length in place and the
 // pages this call made are released, so the list is as before.
 Status CpuBackend::Append(uint32_t part, PageList& list, const void* k_in, const void* v_in, int64_t n, bool,
-                          int64_t step) {
+                          int64_t step, bool hold) {
   step_ = step;
   const float* k = static_cast<const float*>(k_in);
   const float* v = static_cast<const float*>(v_in);
@@ -261,9 +275,9 @@ Status CpuBackend::Append(uint32_t part, PageList& list, const void* k_in, const
     SnapSummary(id);
     done += take;
     list.tokens += take;
-    if (offset + take == g_.page_size && id != first) Seal(id);
+    if (offset + take == g_.page_size && id != first) SealOrHold(id, hold);
   }
-  if (first != kNoPage && list.tokens >= (old_tokens / g_.page_size + 1) * g_.page_size) Seal(first);
+  if (first != kNoPage && list.tokens >= (old_tokens / g_.page_size + 1) * g_.page_size) SealOrHold(first, hold);
   return Status::Ok();
 }
 

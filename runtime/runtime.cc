@@ -43,6 +43,7 @@ struct Runtime::Impl {
   struct Sequence {
     std::vector<PageList> layers;
     std::vector<uint32_t> partitions;  // the backend's partition per layer
+    std::vector<int64_t> drafts;       // per layer: trailing draft tokens (AppendDraft), not yet accepted
   };
   std::unordered_map<SeqId, Sequence> seqs;
   SeqId next_seq = 1;
@@ -115,12 +116,19 @@ struct Runtime::Impl {
     if (!k || !v) return Status::InvalidArgument("null K or V pointer");
     return s;
   }
-  Status Append(Sequence& s, int layer, const void* k, const void* v, int64_t n, bool host_f32) {
+  Status Append(SeqId id, Sequence& s, int layer, const void* k, const void* v, int64_t n, bool host_f32,
+                bool draft = false) {
     PageList& list = s.layers[layer];
+    if (!draft && s.drafts[layer] > 0)
+      return Status::FailedPrecondition(SeqName(id) + " holds " + std::to_string(s.drafts[layer]) +
+                                        " draft tokens in layer " + std::to_string(layer) +
+                                        ": accept or roll them back first");
     // The page being filled is a private tail: fork and rollback copy.
     assert(list.tokens % g.page_size == 0 ||
            (ids.refcount(list.pages.back()) == 1 && !mover->sealed(list.pages.back())));
-    return backend->Append(s.partitions[layer], list, k, v, n, host_f32, step);
+    QKV_RETURN_IF_ERROR(backend->Append(s.partitions[layer], list, k, v, n, host_f32, step, draft));
+    if (draft) s.drafts[layer] += n;
+    return Status::Ok();
   }
 
   // ---- attention ---------------------------------------------------------------
@@ -264,7 +272,7 @@ Result<SeqId> Runtime::CreateSequence() {
   const SeqId id = I.next_seq++;
   Impl::Sequence& s = I.seqs[id];
   s.layers.resize(I.g.layers);
-  s.layers.reserve(I.g.layers);
+  s.drafts.assign(I.g.layers, 0);
   s.partitions.reserve(I.g.layers);
   for (int l = 0; l < I.g.layers; ++l) {
     auto part = I.backend->AddPartition();
@@ -282,10 +290,14 @@ Result<SeqId> Runtime::CreateFromPrefix(SeqId parent, int64_t pages) {
   Impl& I = *impl_;
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * p, I.Find(parent));
   if (pages < 0) return Status::InvalidArgument("prefix of " + std::to_string(pages) + " pages");
-  for (int l = 0; l < I.g.layers; ++l)
+  for (int l = 0; l < I.g.layers; ++l) {
     if (p->layers[l].sealed_pages(I.g.page_size) < pages)
       return Status::OutOfRange(SeqName(parent) + " has " + std::to_string(p->layers[l].sealed_pages(I.g.page_size)) +
                                 " sealed pages in layer " + std::to_string(l) + ", fewer than " + std::to_string(pages));
+    if (pages * I.g.page_size > p->layers[l].tokens - p->drafts[l])
+      return Status::FailedPrecondition("a prefix of " + std::to_string(pages) + " pages of " + SeqName(parent) +
+                                        " holds draft tokens in layer " + std::to_string(l) + ": accept them first");
+  }
   QKV_ASSIGN_OR_RETURN(SeqId id, CreateSequence());
   Impl::Sequence& child = I.seqs[id];
   const Impl::Sequence& src = I.seqs[parent];
@@ -320,6 +332,7 @@ Result<SeqId> Runtime::Fork(SeqId parent) {
     }
     tails[l] = *copy;
   }
+  child.drafts = p.drafts;  // its copies of the drafts stay drafts
   for (int l = 0; l < I.g.layers; ++l) {
     PageList& dst = child.layers[l];
     dst = p.layers[l];
@@ -377,8 +390,31 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     }
     QKV_RETURN_IF_ERROR(I.backend->TruncateTail(s->partitions[l], tail, int(keep % S)));
   }
-  for (int l = 0; l < I.g.layers; ++l) QKV_RETURN_IF_ERROR(I.backend->SetPages(s->partitions[l], s->layers[l].pages));
+  for (int l = 0; l < I.g.layers; ++l) {
+    s->drafts[l] = std::max<int64_t>(0, s->drafts[l] - tokens);
+    QKV_RETURN_IF_ERROR(I.backend->SetPages(s->partitions[l], s->layers[l].pages));
+  }
   return Status::Ok();
+}
+
+Status Runtime::Accept(SeqId seq) {
+  Impl& I = *impl_;
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
+  const int S = I.g.page_size;
+  for (int l = 0; l < I.g.layers; ++l) {
+    const PageList& list = s->layers[l];
+    // Pages holding drafts that are full now go to their homes.
+    for (int64_t i = (list.tokens - s->drafts[l]) / S; i < list.tokens / S; ++i)
+      QKV_RETURN_IF_ERROR(I.backend->SealHeld(list.pages[std::size_t(i)]));
+    s->drafts[l] = 0;
+  }
+  return Status::Ok();
+}
+
+Status Runtime::AppendDraft(SeqId seq, int layer, const float* k, const float* v, int64_t n) {
+  Impl& I = *impl_;
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
+  return I.Append(seq, *s, layer, k, v, n, /*host_f32=*/true, /*draft=*/true);
 }
 
 Status Runtime::Free(SeqId seq) {
@@ -393,14 +429,14 @@ Status Runtime::Free(SeqId seq) {
 Status Runtime::Append(SeqId seq, int layer, const float* k, const float* v, int64_t n) {
   Impl& I = *impl_;
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
-  return I.Append(*s, layer, k, v, n, /*host_f32=*/true);
+  return I.Append(seq, *s, layer, k, v, n, /*host_f32=*/true);
 }
 
 Status Runtime::AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n) {
   Impl& I = *impl_;
   if (!I.backend->on_device()) return Status::FailedPrecondition("AppendDevice needs the CUDA backend");
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
-  return I.Append(*s, layer, k, v, n, /*host_f32=*/false);
+  return I.Append(seq, *s, layer, k, v, n, /*host_f32=*/false);
 }
 
 Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const float* q_in, float* out,

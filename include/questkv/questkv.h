@@ -106,6 +106,11 @@ qkv_status qkv_sequence_free(qkv_runtime* rt, uint64_t seq);
 qkv_status qkv_sequence_length(qkv_runtime* rt, uint64_t seq, int layer, int64_t* tokens);
 
 qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, const float* v, int64_t n);
+/* Draft tokens: appended like qkv_append, but the pages they fill stay off
+   the host and disk until qkv_sequence_accept keeps the drafts that
+   qkv_sequence_rollback left (Runtime::AppendDraft; CPU backend). */
+qkv_status qkv_append_draft(qkv_runtime* rt, uint64_t seq, int layer, const float* k, const float* v, int64_t n);
+qkv_status qkv_sequence_accept(qkv_runtime* rt, uint64_t seq);
 /* Sparse (Quest) decode attention for a batch of sequences at one layer. */
 qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const float* q,
                                 float* out);

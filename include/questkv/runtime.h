@@ -67,6 +67,15 @@ class Runtime {
   // Appends n >= 1 tokens of K/V to one layer: k, v are [n][Hkv][D] floats.
   // ResourceExhausted when pages or arena slots run out (nothing appended).
   Status Append(SeqId seq, int layer, const float* k, const float* v, int64_t n);
+  // Draft tokens (speculative decoding): appended like Append, but a page
+  // they fill stays in hbm, unsealed — it never reaches host or disk — until
+  // Accept keeps the drafts that Rollback left. A rolled-back draft leaves no
+  // trace in the tiers. Append refuses a layer holding drafts until then.
+  // CPU backend (the CUDA backend: Unimplemented).
+  Status AppendDraft(SeqId seq, int layer, const float* k, const float* v, int64_t n);
+  // The sequence's remaining drafts become ordinary tokens: their full pages
+  // are sealed to their homes.
+  Status Accept(SeqId seq);
 
   // Sparse decode attention for a batch at one layer: q [B][Hq][D] -> out
   // [B][Hq][D], softmax scale 1/sqrt(D). Every sequence must hold >= 1 token

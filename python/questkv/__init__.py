@@ -75,8 +75,14 @@ class Runtime:
     def length(self, seq, layer):
         return self._rt.length(seq, layer)
 
-    def append(self, seq, layer, k, v):
-        self._rt.append(seq, layer, k, v)
+    def append(self, seq, layer, k, v, draft=False):
+        """Appends ``k, v [n, kv_heads, head_dim]``; ``draft=True``: draft
+        tokens, whose full pages stay off the host and disk until ``accept``."""
+        self._rt.append(seq, layer, k, v, draft)
+
+    def accept(self, seq):
+        """The drafts left after ``rollback`` become ordinary tokens."""
+        self._rt.accept(seq)
 
     def decode(self, seqs, layer, q, out=None):
         return self._rt.decode(list(seqs), layer, q, out)

@@ -57,7 +57,8 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
 }
 
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
-                               int64_t step) {
+                               int64_t step, bool hold) {
+  if (hold) return Status::Unimplemented("draft tokens held in hbm need the CPU backend");
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32;
   a.old_tokens = list.tokens, a.end = list.tokens + n;

@@ -217,7 +217,8 @@ class CudaBackendImpl final : public DataPlane {
   }
   Status SetPages(uint32_t part, std::span<const PageId> pages) override;
   Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
-                int64_t step) override;
+                int64_t step, bool hold) override;
+  Status SealHeld(PageId) override { return Status::Ok(); }  // Append never holds
   Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) override;
   Status TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) override;
   Status TruncateTail(uint32_t part, PageId tail, int len) override;

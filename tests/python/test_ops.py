@@ -211,6 +211,20 @@ class OwnedCache(unittest.TestCase):
         with self.assertRaises(RuntimeError):
             a.decode_block([sa], [64], 1, torch.zeros(64, HQ, D))
 
+    def test_drafts_are_held_until_accepted(self):
+        rt = runtime()
+        s, k, v = self.fill(rt, 30)
+        d = torch.randn(9, HKV, D, generator=self.g)
+        for layer in range(2):
+            rt.append(s, layer, d, d, draft=True)
+        with self.assertRaises(RuntimeError):
+            rt.append(s, 1, d[:1].contiguous(), d[:1].contiguous())
+        rt.rollback(s, 4)
+        rt.accept(s)
+        self.assertEqual(rt.length(s, 1), 35)
+        rt.append(s, 1, d[:1].contiguous(), d[:1].contiguous())
+        self.assertEqual(rt.length(s, 1), 36)
+
     def test_shared_block_selection_is_a_config_option(self):
         per, shared = runtime(), runtime(block_selection="shared")
         sp, k, v = self.fill(per, 200)

@@ -290,5 +290,68 @@ TEST_F(BlockDecode, SharedBlocksOfOneEqualPerPosition) {
   }
 }
 
+// Drafts appended with AppendDraft stay in hbm until accepted: a page they
+// fill is sealed (host bytes counted) only by Accept, a rejected draft never
+// reaches the host or disk, and the accepted state decodes and gathers as a
+// twin that appended only the accepted tokens.
+TEST_F(BlockDecode, DraftsReachTheTiersOnlyOnceAccepted) {
+  Config tiered = Base();
+  tiered.hbm_bytes = 64 * tiered.geometry.page_bytes();
+  tiered.host_bytes = 12 * 4096;
+  tiered.disk_dir = ::testing::TempDir() + "questkv-draft-disk";  // names only for the memory backend
+  tiered.disk_bytes = 4096ull * 2048;
+  auto a = Make(tiered, MakeMemoryBackend(8, /*reorder_seed=*/9)), b = Make(Base());
+  const SeqId sa = *a->CreateSequence(), sb = *b->CreateSequence();
+  AppendAll(*a, sa, 150, 21);
+  AppendAll(*b, sb, 150, 21);
+  const int64_t page_bytes = int64_t(tiered.geometry.page_bytes());
+  std::mt19937 rng(11);
+  int64_t rejected_full_pages = 0;
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const int n = 1 + int(rng() % 9);
+    const int64_t before = *a->Length(sa, 0);
+    const int64_t sealed_before = a->tier_stats().bytes_hbm_to_host;
+    for (int l = 0; l < kLayers; ++l) {
+      auto k = test::RandomNormal(std::size_t(n) * kRow, 7000 + 10 * step + l);
+      auto v = test::RandomNormal(std::size_t(n) * kRow, 8000 + 10 * step + l);
+      ASSERT_TRUE(a->AppendDraft(sa, l, k.data(), v.data(), n).ok());
+      ASSERT_TRUE(b->Append(sb, l, k.data(), v.data(), n).ok());
+      // No ordinary append onto drafts.
+      EXPECT_EQ(a->Append(sa, l, k.data(), v.data(), 1).code(), Code::kFailedPrecondition);
+      EXPECT_EQ(*a->Length(sa, l), before + n);
+    }
+    EXPECT_EQ(a->tier_stats().bytes_hbm_to_host, sealed_before) << "a draft page was sealed before acceptance";
+    const SeqId one_a[] = {sa}, one_b[] = {sb};
+    for (int l = 0; l < kLayers; ++l) {
+      const auto q = test::RandomNormal(std::size_t(n) * kQRow, 9000 + 10 * step + l);
+      std::vector<float> x(q.size()), y(q.size());
+      ASSERT_TRUE(a->DecodeBlock(one_a, std::vector<int>{n}, l, q.data(), x.data()).ok());
+      ASSERT_TRUE(b->DecodeBlock(one_b, std::vector<int>{n}, l, q.data(), y.data()).ok());
+      ASSERT_EQ(x, y) << "layer " << l;
+    }
+    const int reject = int(rng() % (n + 1));
+    ASSERT_TRUE(a->Rollback(sa, reject).ok());
+    ASSERT_TRUE(b->Rollback(sb, reject).ok());
+    EXPECT_EQ(a->tier_stats().bytes_hbm_to_host, sealed_before) << "a rejected draft was sealed";
+    rejected_full_pages += (before + n) / kS - (before + n - reject) / kS;
+    ASSERT_TRUE(a->Accept(sa).ok());
+    const int64_t after = *a->Length(sa, 0);
+    EXPECT_EQ(a->tier_stats().bytes_hbm_to_host - sealed_before, (after / kS - before / kS) * kLayers * page_bytes)
+        << "accepted " << after - before << " of " << n;
+  }
+  EXPECT_GT(rejected_full_pages, 0) << "no rejected draft filled a page: the test shows little";
+  EXPECT_GT(a->tier_stats().bytes_host_to_disk, 0) << "nothing reached the disk tier";
+  for (int l = 0; l < kLayers; ++l) {
+    const DenseView x = *a->Gather(sa, l), y = *b->Gather(sb, l);
+    EXPECT_EQ(x.tokens, y.tokens);
+    EXPECT_EQ(x.k, y.k) << "layer " << l;
+    EXPECT_EQ(x.v, y.v) << "layer " << l;
+    EXPECT_EQ(TailSummary(*a, sa, l), TailSummary(*b, sb, l)) << "layer " << l;
+  }
+  ASSERT_TRUE(a->Free(sa).ok());
+  EXPECT_EQ(a->live_pages(), 0u);
+}
+
 }  // namespace
 }  // namespace questkv

@@ -215,6 +215,36 @@ TEST(CApi, DecodeBlockEqualsSingleTokenCalls) {
   qkv_destroy(b);
 }
 
+// Drafts from C: held off the host until accepted, refused under an
+// ordinary append, and kept as the accepted prefix.
+TEST(CApi, DraftsAreHeldUntilAccepted) {
+  qkv_config cfg;
+  qkv_config_default(&cfg);
+  cfg.host_bytes = 64ull << 20;  // a host tier whose seals are counted
+  qkv_runtime* a = nullptr;
+  ASSERT_EQ(qkv_create(&cfg, &a), QKV_OK) << qkv_create_error();
+  const int row = cfg.kv_heads * cfg.head_dim, S = cfg.page_size;
+  std::vector<float> kv(4 * S * row);
+  for (std::size_t i = 0; i < kv.size(); ++i) kv[i] = std::sin(float(i) * 0.01f);
+  uint64_t s = 0;
+  ASSERT_EQ(qkv_sequence_create(a, &s), QKV_OK);
+  for (int l = 0; l < cfg.layers; ++l) {  // a rollback takes every layer back
+    ASSERT_EQ(qkv_append(a, s, l, kv.data(), kv.data(), S - 1), QKV_OK);
+    ASSERT_EQ(qkv_append_draft(a, s, l, kv.data(), kv.data(), 2 * S), QKV_OK);  // fills two pages
+  }
+  EXPECT_EQ(qkv_append(a, s, 0, kv.data(), kv.data(), 1), QKV_FAILED_PRECONDITION);
+  int64_t len = 0;
+  ASSERT_EQ(qkv_sequence_length(a, s, 0, &len), QKV_OK);
+  EXPECT_EQ(len, 3 * S - 1);
+  ASSERT_EQ(qkv_sequence_rollback(a, s, S), QKV_OK);  // keeps S drafts: the first page is full
+  ASSERT_EQ(qkv_sequence_accept(a, s), QKV_OK);
+  ASSERT_EQ(qkv_sequence_length(a, s, 0, &len), QKV_OK);
+  EXPECT_EQ(len, 2 * S - 1);
+  EXPECT_EQ(qkv_append(a, s, 0, kv.data(), kv.data(), 1), QKV_OK);
+  EXPECT_EQ(qkv_sequence_accept(a, 999), QKV_NOT_FOUND);
+  qkv_destroy(a);
+}
+
 // QKV_BLOCK_SHARED reaches the runtime: the C call equals the C++ one.
 TEST(CApi, SharedBlockSelectionMatchesTheCppRuntime) {
   qkv_config cfg;

@@ -363,7 +363,8 @@ class Diagnostics {
 };
 
 // The draft-and-verify loop of speculative decoding (RunOptions::draft).
-// Drafts are the workload's next tokens; a rejected draft's position is
+// Drafts are the workload's next tokens, appended as drafts (a page they fill
+// reaches the host only once accepted); a rejected draft's position is
 // drafted again (with the same K/V) at the next step.
 Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r) {
   const Geometry& g = o.config.geometry;
@@ -383,7 +384,7 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
     for (int layer = 0; layer < g.layers; ++layer) {
       for (int b = 0; b < B; ++b) {
         batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], n, k.data(), v.data());
-        QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data(), v.data(), n));
+        QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), n));
         for (int i = 0; i < n; ++i)
           batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * n + i) * qrow);
       }
@@ -394,6 +395,7 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
       int accepted = 0;
       while (accepted < n && uniform(rng) < o.accept_rate) ++accepted;
       QKV_RETURN_IF_ERROR(rt.Rollback(batch.ids[b], n - accepted));
+      QKV_RETURN_IF_ERROR(rt.Accept(batch.ids[b]));
       kept[b] += accepted;
       r.speculative.accepted += accepted;
     }
