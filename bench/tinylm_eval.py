@@ -41,6 +41,8 @@ def parse_args():
     p.add_argument("--window", type=int, default=8192, help="W, tokens per window")
     p.add_argument("--steps", type=int, default=128, help="S, decoded positions at the end of each window")
     p.add_argument("--budgets", default="256,512,1024", help="Quest token budgets, comma-separated")
+    p.add_argument("--reranks", default="", help="re-rank factors run beside plain Quest at each budget, "
+                   "comma-separated (SelectionPolicy::rerank; 1e6 is the exact-page-max oracle)")
     p.add_argument("--hbm-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--host-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--disk-dir", default="")
@@ -98,8 +100,8 @@ def windows(files, count, length):
     return total, [(s, read_span(files, s, length)) for s in starts]
 
 
-def runtime_config(args, budget):
-    return dict(layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=16, token_budget=budget or 256,
+def runtime_config(args, budget, rerank=0.0):
+    return dict(rerank=rerank, layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=16, token_budget=budget or 256,
                 sink_pages=1, local_pages=8, dense_layers=range(6) if budget is None else [0, 1], gqa="max",
                 hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
                 disk_bytes=args.disk_bytes, cold_miss="strict", backend="cpu", dtype="f32")
@@ -109,20 +111,25 @@ def decode_figures(r):
     """What one questkv run moved and read during its decode steps."""
     before, after = r.prefill_stats, r.stats
     delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
-                                               "head_pages_selected", "head_pages_total", "kv_bytes_read")}
+                                               "head_pages_selected", "head_pages_total", "kv_bytes_read",
+                                               "summary_bytes_read", "rerank_key_bytes")}
     return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta)
 
 
 def evaluate(args, questkv, tinylm, model, spans):
     budgets = [int(b) for b in args.budgets.split(",")]
-    runs = {"reference": [], "dense": []} | {f"quest-{b}": [] for b in budgets}
+    reranks = [float(c) for c in args.reranks.split(",") if c]
+    configs = [("dense", None, 0.0)]
+    for b in budgets:
+        configs += [(f"quest-{b}", b, 0.0)] + [(f"rerank{c:g}-{b}", b, c) for c in reranks]
+    runs = {"reference": []} | {name: [] for name, _, _ in configs}
     prefill = args.window - args.steps
     for i, (start, data) in enumerate(spans):
         t0 = time.perf_counter()
         cache = tinylm.prefill_cache(model, data, prefill)
         runs["reference"].append(dict(loss=tinylm.reference_loss(model, data, prefill, args.steps, cache=cache)))
-        for name, budget in [("dense", None)] + [(f"quest-{b}", b) for b in budgets]:
-            rt = questkv.Runtime(**runtime_config(args, budget))
+        for name, budget, rerank in configs:
+            rt = questkv.Runtime(**runtime_config(args, budget, rerank))
             runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache)))
             del rt
         print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "
@@ -139,18 +146,20 @@ def print_table(args, runs):
     offload_mib = args.window * KV_BYTES_PER_TOKEN / 2**20
     print(f"tinylm, {args.windows} windows of {args.window} tokens, last {args.steps} decoded; means over windows")
     print("| run | loss (nats/byte) | vs dense | step ms/token | of which questkv | "
-          "pages attended | K/V read KiB/token | host→hbm KiB/token |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "pages attended | K/V read KiB/token | read KiB/token (K/V + summaries + re-rank keys) | host→hbm KiB/token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, rows in runs.items():
         loss = mean(rows, "loss")
         if name == "reference":
-            print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | — | — | all | — | — |")
+            print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | — | — | all | — | — | — |")
             continue
         steps = args.steps
         pages = sum(r["head_pages_selected"] for r in rows) / sum(r["head_pages_total"] for r in rows)
         print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | {mean(rows, 'ms_per_token'):.2f} | "
               f"{mean(rows, 'questkv_ms_per_token'):.2f} | {100 * pages:.1f}% | "
-              f"{mean(rows, 'kv_bytes_read') / steps / 1024:.0f} | {mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
+              f"{mean(rows, 'kv_bytes_read') / steps / 1024:.0f} | "
+              f"{(mean(rows, 'kv_bytes_read') + mean(rows, 'summary_bytes_read') + mean(rows, 'rerank_key_bytes')) / steps / 1024:.0f} | "
+              f"{mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
     print(f"A dense offload would move {offload_mib:.1f} MiB of K/V a token at this context.")
 
 

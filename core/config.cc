@@ -117,6 +117,10 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
     return Status::InvalidArgument("layer_token_budgets has " + std::to_string(layer_token_budgets.size()) +
                                    " entries for " + std::to_string(g.layers) + " layers");
   if (gqa > GqaMode::kUnion) return Status::InvalidArgument(Field("gqa", int(gqa), "is not a GQA mode"));
+  if (rerank != 0 && !(rerank >= 1 && rerank <= 1e6))
+    return Status::InvalidArgument("rerank = " + std::to_string(rerank) + ": 0 (off) or a factor in 1..1e6");
+  if (rerank != 0 && gqa == GqaMode::kUnion)
+    return Status::InvalidArgument("rerank needs gqa max or mean (union ranks per query head)");
   if (block_selection > BlockSelection::kShared)
     return Status::InvalidArgument(Field("block_selection", int(block_selection), "is not a block selection"));
   for (int layer : dense_layers)

@@ -46,6 +46,15 @@ void CheckIntVector(const Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.size(0) == n, name, " has ", t.size(0), " entries, expected ", n);
 }
 
+double Real(const c10::Dict<std::string, std::string>& d, const std::string& key, double fallback) {
+  if (!d.contains(key)) return fallback;
+  const std::string v = d.at(key);
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  TORCH_CHECK(!v.empty() && end == v.c_str() + v.size(), "questkv.Runtime: ", key, " = '", v, "' is not a number");
+  return x;
+}
+
 int64_t Int(const c10::Dict<std::string, std::string>& d, const std::string& key, int64_t fallback) {
   if (!d.contains(key)) return fallback;
   const std::string v = d.at(key);
@@ -90,7 +99,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
                                 "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
-                                "block_selection"};
+                                "block_selection", "rerank"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -110,6 +119,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   p.local_pages = Narrow<int>(Int(d, "local_pages", p.local_pages), "local_pages");
   if (d.contains("gqa")) p.gqa = Value(ParseGqaMode(d.at("gqa")));
   if (d.contains("block_selection")) p.block_selection = Value(ParseBlockSelection(d.at("block_selection")));
+  p.rerank = Real(d, "rerank", p.rerank);
   std::vector<int64_t> dense = IntList(d, "dense_layers", {p.dense_layers.begin(), p.dense_layers.end()});
   p.dense_layers.clear();
   for (int64_t l : dense) p.dense_layers.push_back(Narrow<int>(l, "dense_layers"));
@@ -205,6 +215,7 @@ class RuntimeHolder : public torch::CustomClassHolder {
     d.insert("head_pages_total", attend_.head_pages_total);
     d.insert("kv_bytes_read", attend_.kv_bytes_read);
     d.insert("summary_bytes_read", attend_.summary_bytes_read);
+    d.insert("rerank_key_bytes", attend_.rerank_key_bytes);
     d.insert("live_pages", int64_t(rt_->live_pages()));
     d.insert("live_sequences", int64_t(rt_->live_sequences()));
     return d;
@@ -239,6 +250,7 @@ class RuntimeHolder : public torch::CustomClassHolder {
     attend_.head_pages_total += stats.head_pages_total;
     attend_.kv_bytes_read += stats.kv_bytes_read;
     attend_.summary_bytes_read += stats.summary_bytes_read;
+    attend_.rerank_key_bytes += stats.rerank_key_bytes;
     return o;
   }
 

@@ -82,6 +82,7 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.prefetch_pages = c.prefetch_pages;
   cfg.cuda_graphs = c.cuda_graphs != 0;
   cfg.policy.block_selection = static_cast<questkv::BlockSelection>(c.block_selection);
+  cfg.policy.rerank = c.rerank;
   return cfg;
 }
 
@@ -124,6 +125,7 @@ void qkv_config_default(qkv_config* c) {
   c->prefetch_pages = d.prefetch_pages;
   c->cuda_graphs = d.cuda_graphs ? 1 : 0;
   c->block_selection = static_cast<qkv_block_selection>(d.policy.block_selection);
+  c->rerank = d.policy.rerank;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

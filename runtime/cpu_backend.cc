@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <map>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -103,6 +105,11 @@ class CpuBackend final : public DataPlane {
   // pages, from every row's queries: the block's selector ranks them as one
   // group of n * G query heads per KV head.
   Status SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next, int next_pages);
+  // The re-rank's exact scores (SelectInput::exact_scores) for row b of the
+  // CSR: each candidate page's max logit over its valid keys per query head
+  // of the group (`group` heads of q for this KV head), aggregated by the
+  // GQA mode; NaN for a page skipped under `deadline`.
+  std::function<Status(int, std::span<const int32_t>, float*)> ExactScorer(const float* q, int group, int b);
   Status Dense(const Step& s);
 
   Config c_;
@@ -403,8 +410,10 @@ Status CpuBackend::Decode(const Step& s) {
       in.page_ids = page_ids;
       in.num_pages = num_pages;
       in.layer = s.layer;
+      if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, g_.group(), b);
       QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
       scored = !selector_.scores().empty();
+      if (stats) stats->rerank_key_bytes += selector_.reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
     } else {
       if (b == block_end) {  // a block starts: rows [b, b + n)
         if (next_block >= s.shared_blocks.size()) return Status::Internal("shared blocks cover fewer rows than the batch");
@@ -412,6 +421,8 @@ Status CpuBackend::Decode(const Step& s) {
         block_end = b + n;
         QKV_RETURN_IF_ERROR(SelectShared(s, b, n, &shared, &next_, prefetch));
         scored = !block_selectors_.at(n).scores().empty();
+        if (stats)
+          stats->rerank_key_bytes += block_selectors_.at(n).reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
         next_ids = csr_.pages(block_end - 1);
       } else {
         next_.indptr.assign(g_.kv_heads + 1, 0);  // prefetched with the block's first row
@@ -473,7 +484,37 @@ Status CpuBackend::SelectShared(const Step& s, int b, int n, PageSelection* out,
   in.page_ids = csr_.pages(b + n - 1);
   in.num_pages = csr_.num_pages(b + n - 1);
   in.layer = s.layer;
+  if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, n * G, b + n - 1);
   return it->second.Select(in, out, next, next_pages);
+}
+
+std::function<Status(int, std::span<const int32_t>, float*)> CpuBackend::ExactScorer(const float* q, int group,
+                                                                                     int b) {
+  return [this, q, group, b](int h, std::span<const int32_t> pages, float* exact) -> Status {
+    const int D = g_.head_dim, last = csr_.num_pages(b) - 1;
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      const int p = pages[i];
+      QKV_ASSIGN_OR_RETURN(const HeadSource src, Resolve(csr_.pages(b)[p], h, parts_[b]));
+      if (src.skipped) {
+        exact[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const int len = p == last ? csr_.last_page_len[b] : g_.page_size;
+      float agg = c_.policy.gqa == GqaMode::kMax ? -std::numeric_limits<float>::infinity() : 0.f;
+      for (int gi = 0; gi < group; ++gi) {
+        const float* qh = q + (std::size_t(h) * group + gi) * D;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int t = 0; t < len; ++t) {
+          float dot = 0;
+          for (int d = 0; d < D; ++d) dot += qh[d] * src.k[std::size_t(t) * D + d];
+          best = std::max(best, dot);
+        }
+        agg = c_.policy.gqa == GqaMode::kMax ? std::max(agg, best) : agg + best / float(group);
+      }
+      exact[i] = agg;
+    }
+    return Status::Ok();
+  };
 }
 
 Status CpuBackend::Dense(const Step& s) {

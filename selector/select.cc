@@ -1,6 +1,7 @@
 #include "selector/select.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -43,6 +44,7 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
   out->indptr.assign(1, 0);
   out->pages.clear();
   scores_.clear();
+  reranked_ = 0;
   const int64_t page_budget = p_.page_budget(in.layer, g_.page_size);
   if (p_.is_dense(in.layer) || page_budget >= n) {
     // Every page is attended, so ranking would change nothing: skip scoring.
@@ -61,7 +63,11 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
       for (int gi = 0; gi < g_.group(); ++gi) MarkTopK(HeadScores(h * g_.group() + gi), n, k);
     } else {
       Aggregate(h, n, p_.gqa);
-      MarkTopK(agg_.data(), n, k);
+      if (p_.rerank > 0 && in.exact_scores) {
+        QKV_RETURN_IF_ERROR(Rerank(in, h, n, k));
+      } else {
+        MarkTopK(agg_.data(), n, k);
+      }
     }
     EmitRow(mark_, n, out);
     if (next) EmitRunnersUp(h, n, next_pages, next);
@@ -125,6 +131,29 @@ void Selector::EmitRunnersUp(int h, int n, int count, PageSelection* next) {
   const int got = kernels::TopKCpu(agg_.data(), n, mark_.data(), count, chosen_.data(), scratch_.data());
   next->pages.insert(next->pages.end(), chosen_.begin(), chosen_.begin() + got);
   next->indptr.push_back(int32_t(next->pages.size()));
+}
+
+// Candidates: the top ceil(rerank * k) by the bound (agg_); kept: the best k
+// of them by exact score (a candidate without one keeps its bound), ties
+// toward the lower page.
+Status Selector::Rerank(const SelectInput& in, int kv_head, int n, int k) {
+  const double want = std::ceil(p_.rerank * double(k));
+  const int c = int(std::min<double>(want, double(n)));
+  chosen_.resize(n);
+  scratch_.resize(n);
+  const int got = kernels::TopKCpu(agg_.data(), n, skip_.data(), c, chosen_.data(), scratch_.data());
+  cand_.assign(chosen_.begin(), chosen_.begin() + got);
+  exact_.assign(std::size_t(got), 0.f);
+  QKV_RETURN_IF_ERROR(in.exact_scores(kv_head, cand_, exact_.data()));
+  reranked_ += got;
+  for (int i = 0; i < got; ++i)
+    if (std::isnan(exact_[i])) exact_[i] = agg_[cand_[i]];
+  // Best k among the candidates: TopKCpu over their exact scores.
+  chosen_.resize(std::max(got, 1));
+  scratch_.resize(std::max(got, 1));
+  const int kept = kernels::TopKCpu(exact_.data(), got, nullptr, k, chosen_.data(), scratch_.data());
+  for (int i = 0; i < kept; ++i) mark_[cand_[chosen_[i]]] = 1;
+  return Status::Ok();
 }
 
 void Selector::MarkTopK(const float* scores, int n, int k) {

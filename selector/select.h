@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "questkv/config.h"
@@ -30,6 +32,12 @@ struct SelectInput {
   const uint32_t* page_ids = nullptr;    // [num_pages] logical order
   int num_pages = 0;                     // >= 1
   int layer = 0;
+  // Re-rank (SelectionPolicy::rerank): writes, for KV head `kv_head`, each
+  // candidate page's exact score — its maximum logit q·k over its keys,
+  // aggregated over the group's query heads as the GQA mode says — or NaN
+  // where the keys cannot be had now (the page is then ranked by its bound).
+  // Null: no re-rank.
+  std::function<Status(int kv_head, std::span<const int32_t> pages, float* exact)> exact_scores;
 };
 
 // out[i] := the max or mean over the G rows of scores ([G][n], rows of n) of
@@ -51,6 +59,8 @@ class Selector {
   // ahead of need. Empty rows when nothing was scored.
   Status Select(const SelectInput& in, PageSelection* out, PageSelection* next, int next_pages);
 
+  // Pages whose keys the last Select's re-rank read (all KV heads).
+  int64_t reranked() const { return reranked_; }
   // Scores U_p(q) of the last Select, [Hq][num_pages] (row = query head), or
   // empty if the last Select did not score: a dense layer or a budget that
   // covers every page selects all pages without ranking them. For diagnostics.
@@ -62,6 +72,7 @@ class Selector {
   const float* HeadScores(int q_head) const;
   void Aggregate(int kv_head, int n, GqaMode mode);
   void MarkTopK(const float* scores, int n, int k);
+  Status Rerank(const SelectInput& in, int kv_head, int n, int k);
   void EmitRunnersUp(int h, int n, int count, PageSelection* next);
 
   Geometry g_;
@@ -72,6 +83,9 @@ class Selector {
   std::vector<int> chosen_;       // [num_pages]
   std::vector<int> scratch_;      // [num_pages]
   std::vector<uint8_t> mark_;     // [num_pages] the KV head's row being built
+  std::vector<float> exact_;      // re-rank: candidates' exact scores, then their ranking keys
+  std::vector<int32_t> cand_;     // re-rank candidates
+  int64_t reranked_ = 0;
 };
 
 }  // namespace questkv

@@ -91,6 +91,12 @@ struct SelectionPolicy {
   // negative entry means "use token_budget".
   std::vector<int64_t> layer_token_budgets;
   BlockSelection block_selection = BlockSelection::kPerPosition;
+  // Two-stage re-rank (0: off, plain Quest): the top ceil(rerank * K) pages
+  // by the bound are candidates, each ranked again by its exact maximum
+  // logit (max over its keys of q·k, aggregated over the group as `gqa`
+  // says: max or mean), and the best K kept. Reads the candidates' keys.
+  // >= 1; needs gqa max or mean.
+  double rerank = 0;
 
   bool is_dense(int layer) const;
   int64_t token_budget_for(int layer) const;

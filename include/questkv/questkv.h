@@ -82,6 +82,9 @@ typedef struct {
   int prefetch_pages;
   int cuda_graphs;
   qkv_block_selection block_selection;
+  /* two-stage re-rank: 0 off (plain Quest), else >= 1: the top ceil(rerank * K)
+     pages by the bound ranked again by their exact max logit (CPU backend) */
+  double rerank;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

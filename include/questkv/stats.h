@@ -12,6 +12,7 @@ struct AttendStats {
   int64_t head_pages_total = 0;     // head-pages that dense attention would read
   int64_t kv_bytes_read = 0;        // K/V bytes the sparse attention read
   int64_t summary_bytes_read = 0;   // summary bytes the scoring read
+  int64_t rerank_key_bytes = 0;     // key bytes the re-rank read (SelectionPolicy::rerank)
   // Wall time of the phases, microseconds: selection (scores + top-K),
   // resolve (finding or fetching every selected head-page), attention.
   double select_us = 0, resolve_us = 0, attend_us = 0;

@@ -21,6 +21,7 @@ _OPTION_TYPES = {
     "gqa": str, "dense_layers": list, "layer_token_budgets": list, "max_pages": int,
     "hbm_bytes": int, "host_bytes": int, "disk_dir": str, "disk_bytes": int, "cold_miss": str,
     "io_backend": str, "prefetch_pages": int, "backend": str, "cuda_graphs": bool, "block_selection": str,
+    "rerank": float,
 }
 
 
@@ -38,6 +39,8 @@ def _options(kwargs):
             if isinstance(value, bool) or int(value) != value:
                 raise TypeError(f"questkv.Runtime: {key} must be an integer, not {value!r}")
             out[key] = str(int(value))
+        elif kind is float:
+            out[key] = repr(float(value))
         else:
             out[key] = str(value)
     return out

@@ -225,6 +225,19 @@ class OwnedCache(unittest.TestCase):
         rt.append(s, 1, d[:1].contiguous(), d[:1].contiguous())
         self.assertEqual(rt.length(s, 1), 36)
 
+    def test_rerank_is_a_config_option(self):
+        plain, rr = runtime(), runtime(rerank=1e6)
+        sp, k, v = self.fill(plain, 300)
+        sr = rr.create_sequence()
+        for layer in range(2):
+            rr.append(sr, layer, k, v)
+        q = torch.randn(1, HQ, D, generator=self.g)
+        self.assertFalse(torch.equal(plain.decode([sp], 1, q), rr.decode([sr], 1, q)))
+        self.assertGreater(rr.stats()["rerank_key_bytes"], 0)
+        self.assertEqual(plain.stats()["rerank_key_bytes"], 0)
+        with self.assertRaises(RuntimeError):
+            runtime(rerank=0.5)
+
     def test_shared_block_selection_is_a_config_option(self):
         per, shared = runtime(), runtime(block_selection="shared")
         sp, k, v = self.fill(per, 200)

@@ -34,6 +34,8 @@ constexpr const char* kUsage =
     "           --dense-layers L0,L1,... (or 'none') [0,1: the first two layers, fewer so that one\n"
     "           stays sparse (0 at --layers 2, none at --layers 1)]\n"
     "           --layer-budgets B0,B1,... (one a layer; -1 = --token-budget)\n"
+    "           --rerank C [0: off] (cpu: the top C*K pages by the bound ranked again by their exact\n"
+    "           max logit, the best K kept)\n"
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
@@ -65,6 +67,10 @@ Status ParsePolicy(const Flags& f, const Geometry& g, SelectionPolicy& p) {
   p.sink_pages = int(sink), p.local_pages = int(local);
   QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
   QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
+  QKV_ASSIGN_OR_RETURN(std::string rerank, f.String("rerank", "0"));
+  char* end = nullptr;
+  p.rerank = std::strtod(rerank.c_str(), &end);
+  if (rerank.empty() || *end != '\0') return Status::InvalidArgument("--rerank: '" + rerank + "' is not a number");
   QKV_ASSIGN_OR_RETURN(std::string block, f.String("block-selection", "per-position"));
   QKV_ASSIGN_OR_RETURN(p.block_selection, ParseBlockSelection(block));
   QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", DefaultDenseLayers(g.layers)));
@@ -220,7 +226,7 @@ int RunMain(int argc, char** argv) {
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
-               "draft", "accept-rate", "block-selection"},
+               "draft", "accept-rate", "block-selection", "rerank"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
                "split-long-rows", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {

@@ -410,6 +410,7 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
   r.head_pages_total = stats.head_pages_total;
   r.kv_bytes_read = stats.kv_bytes_read;
   r.summary_bytes_read = stats.summary_bytes_read;
+  r.rerank_key_bytes = stats.rerank_key_bytes;
   return Status::Ok();
 }
 
@@ -591,6 +592,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   r.head_pages_total = stats.head_pages_total;
   r.kv_bytes_read = stats.kv_bytes_read;
   r.summary_bytes_read = stats.summary_bytes_read;
+  r.rerank_key_bytes = stats.rerank_key_bytes;
   if (r.diagnosed > 0) {
     const double n = r.diagnosed;
     r.page_recall /= n;
@@ -871,6 +873,7 @@ std::string ReportJson(const RunReport& r) {
   j.Field("context_tokens", o.context_tokens).Field("decode_steps", o.decode_steps);
   j.Field("token_budget", p.token_budget).Field("sink_pages", p.sink_pages).Field("local_pages", p.local_pages);
   j.Field("gqa", GqaModeName(p.gqa)).Field("block_selection", BlockSelectionName(p.block_selection));
+  j.Field("rerank", p.rerank);
   j.BeginArray("dense_layers");
   for (int l : p.dense_layers) j.Value(l);
   j.EndArray();
@@ -910,6 +913,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("corruptions", t.corruptions)
       .EndObject();
   j.Field("kv_bytes_read", r.kv_bytes_read).Field("summary_bytes_read", r.summary_bytes_read);
+  j.Field("rerank_key_bytes", r.rerank_key_bytes);
   j.Field("dense_kv_bytes", r.dense_kv_bytes);
   j.Field("head_pages_selected", r.head_pages_selected).Field("head_pages_total", r.head_pages_total);
   j.Field("pages_peak", uint64_t(r.pages_peak));

@@ -85,6 +85,7 @@ struct RunReport {
   int64_t head_pages_total = 0;
   int64_t kv_bytes_read = 0;       // K/V bytes sparse attention read
   int64_t summary_bytes_read = 0;  // summary bytes scoring read
+  int64_t rerank_key_bytes = 0;    // key bytes the re-rank read
   int64_t dense_kv_bytes = 0;      // K/V bytes dense attention would read
   // Streaming every page of every layer (K/V, all heads, at the geometry's
   // dtype) over the host link each step.
