@@ -16,7 +16,7 @@
 #            (--summary-dtype e4m3): the select scans half the bytes; recall sampled on l3-all-e4m3
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
-#            $HOST_1M (80G) pinned host, the rest on disk under $DISK (default /tmp/questkv-disk);
+#            $HOST_1M (80G) pinned host, the rest on disk ($DISK_1M, 56G: the device has ~60 GB free) under $DISK;
 #            recall every $RECALL_1M (8: steps 0 and 8; 0: none) steps at layers $RECALL_LAYERS_1M
 #            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes)
 #   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
@@ -92,7 +92,7 @@ for run in $RUNS; do
       [ $run = l3-1m-all ] && hbm="--cold-miss deadline"
       one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every ${RECALL_1M:-8} \
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
-        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-64G}
+        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
   esac
