@@ -43,6 +43,9 @@ def parse_args():
     p.add_argument("--budgets", default="256,512,1024", help="Quest token budgets, comma-separated")
     p.add_argument("--reranks", default="", help="re-rank factors run beside plain Quest at each budget, "
                    "comma-separated (SelectionPolicy::rerank; 1e6 is the exact-page-max oracle)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens a page; sink and local windows keep "
+                   "16 and 128 tokens")
+    p.add_argument("--summary-dtype", default="kv", help="kv (the K/V dtype) or e4m3")
     p.add_argument("--hbm-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--host-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--disk-dir", default="")
@@ -101,8 +104,10 @@ def windows(files, count, length):
 
 
 def runtime_config(args, budget, rerank=0.0):
-    return dict(rerank=rerank, layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=16, token_budget=budget or 256,
-                sink_pages=1, local_pages=8, dense_layers=range(6) if budget is None else [0, 1], gqa="max",
+    return dict(rerank=rerank, layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=args.page_size,
+                summary_dtype=args.summary_dtype, token_budget=budget or 256,
+                sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
+                dense_layers=range(6) if budget is None else [0, 1], gqa="max",
                 hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
                 disk_bytes=args.disk_bytes, cold_miss="strict", backend="cpu", dtype="f32")
 
