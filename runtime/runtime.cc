@@ -126,9 +126,74 @@ struct Runtime::Impl {
     // The page being filled is a private tail: fork and rollback copy.
     assert(list.tokens % g.page_size == 0 ||
            (ids.refcount(list.pages.back()) == 1 && !mover->sealed(list.pages.back())));
-    QKV_RETURN_IF_ERROR(backend->Append(s.partitions[layer], list, k, v, n, host_f32, step, draft));
+    // A backend reserves the host homes of the pages a call fills before it
+    // fills them, so a call sealing more pages than the host tier holds could
+    // never run: it goes in pieces of at most half the host's pages, each
+    // piece's homes filled (and demotable) before the next reserves its own.
+    // On a failed piece the pieces before it are cut back, so the call
+    // appends all or nothing.
+    const int S = g.page_size;
+    const int64_t piece_pages = std::max<int64_t>(1, mover->stats().host_slots_capacity / 2);
+    const std::size_t row_bytes = std::size_t(g.kv_heads) * g.head_dim * (host_f32 ? sizeof(float) : DTypeBytes(g.dtype));
+    const int64_t old_tokens = list.tokens;
+    for (int64_t done = 0; done < n;) {
+      const int64_t m = std::min(n - done, (list.tokens / S + piece_pages) * S - list.tokens);
+      const Status st = backend->Append(s.partitions[layer], list, static_cast<const char*>(k) + done * row_bytes,
+                                        static_cast<const char*>(v) + done * row_bytes, m, host_f32, step, draft);
+      if (!st.ok()) {
+        if (done == 0) return st;
+        const Status undone = CutAppended(s, layer, old_tokens);
+        if (!undone.ok())
+          return Status(st.code(), st.message() + "; " + std::to_string(list.tokens - old_tokens) +
+                                       " tokens stay appended: cutting them back failed (" + undone.ToString() + ")");
+        return st;
+      }
+      done += m;
+    }
     if (draft) s.drafts[layer] += n;
     return Status::Ok();
+  }
+
+  // Undoes the pieces of a failed append: its fresh pages go first (the
+  // room the old tail's copy may need), then the old tail is cut back.
+  Status CutAppended(Sequence& s, int l, int64_t old_tokens) {
+    const int S = g.page_size;
+    QKV_RETURN_IF_ERROR(CutLayer(s, l, (old_tokens + S - 1) / S * S, kNoPage));
+    QKV_ASSIGN_OR_RETURN(const PageId copy, KeptTailCopy(s, l, old_tokens));
+    return CutLayer(s, l, old_tokens, copy);
+  }
+
+  // Cutting a layer back to its first `keep` tokens, in two steps so that a
+  // failure changes nothing. First a private copy of the kept part of a new
+  // tail that is sealed (immutable, maybe shared, maybe not in hbm); kNoPage
+  // where none is needed.
+  Result<PageId> KeptTailCopy(const Sequence& s, int l, int64_t keep) {
+    const PageList& list = s.layers[l];
+    const int S = g.page_size;
+    if (keep % S == 0) return kNoPage;
+    const PageId tail = list.pages[std::size_t(keep / S)];
+    if (!mover->sealed(tail) && ids.refcount(tail) == 1) return kNoPage;  // still a private tail: edit in place
+    return CopyToNewTail(tail, int(keep % S), s.partitions[l], s.partitions[l]);
+  }
+  // Then the cut: the pages past `keep` released, the new tail replaced by
+  // its copy or cut back in place.
+  Status CutLayer(Sequence& s, int l, int64_t keep, PageId copy) {
+    PageList& list = s.layers[l];
+    const int S = g.page_size;
+    const std::size_t keep_pages = std::size_t((keep + S - 1) / S);
+    for (std::size_t i = keep_pages; i < list.pages.size(); ++i) Release(list.pages[i]);
+    list.pages.resize(keep_pages);
+    list.tokens = keep;
+    if (keep % S != 0) {
+      PageId& tail = list.pages.back();
+      if (copy != kNoPage) {
+        Release(tail);
+        tail = copy;
+      } else {
+        QKV_RETURN_IF_ERROR(backend->TruncateTail(s.partitions[l], tail, int(keep % S)));
+      }
+    }
+    return backend->SetPages(s.partitions[l], list.pages);
   }
 
   // ---- attention ---------------------------------------------------------------
@@ -352,21 +417,14 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
   Impl& I = *impl_;
   QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.Find(seq));
   if (tokens < 0) return Status::InvalidArgument("rollback by " + std::to_string(tokens) + " tokens");
-  const int S = I.g.page_size;
   for (int l = 0; l < I.g.layers; ++l)
     if (s->layers[l].tokens < tokens)
       return Status::OutOfRange("rollback by " + std::to_string(tokens) + " tokens, but " + SeqName(seq) + " holds " +
                                 std::to_string(s->layers[l].tokens) + " in layer " + std::to_string(l));
-  // A new tail that is sealed (immutable, maybe shared, maybe not in hbm) is
-  // replaced by a private copy of its kept tokens: make those copies first.
+  // Every layer's tail copy first, so that a failure changes nothing.
   std::vector<PageId> copies(I.g.layers, kNoPage);
   for (int l = 0; l < I.g.layers; ++l) {
-    const PageList& list = s->layers[l];
-    const int64_t keep = list.tokens - tokens;
-    if (keep % S == 0) continue;
-    const PageId tail = list.pages[keep / S];
-    if (!I.mover->sealed(tail) && I.ids.refcount(tail) == 1) continue;  // still a private tail: edit in place
-    auto copy = I.CopyToNewTail(tail, int(keep % S), s->partitions[l], s->partitions[l]);
+    auto copy = I.KeptTailCopy(*s, l, s->layers[l].tokens - tokens);
     if (!copy.ok()) {
       for (PageId c : copies)
         if (c != kNoPage) I.Release(c);
@@ -375,24 +433,8 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     copies[l] = *copy;
   }
   for (int l = 0; l < I.g.layers; ++l) {
-    PageList& list = s->layers[l];
-    const int64_t keep = list.tokens - tokens;
-    const std::size_t keep_pages = std::size_t((keep + S - 1) / S);
-    for (std::size_t i = keep_pages; i < list.pages.size(); ++i) I.Release(list.pages[i]);
-    list.pages.resize(keep_pages);
-    list.tokens = keep;
-    if (keep % S == 0) continue;
-    PageId& tail = list.pages.back();
-    if (copies[l] != kNoPage) {
-      I.Release(tail);
-      tail = copies[l];
-      continue;
-    }
-    QKV_RETURN_IF_ERROR(I.backend->TruncateTail(s->partitions[l], tail, int(keep % S)));
-  }
-  for (int l = 0; l < I.g.layers; ++l) {
+    QKV_RETURN_IF_ERROR(I.CutLayer(*s, l, s->layers[l].tokens - tokens, copies[l]));
     s->drafts[l] = std::max<int64_t>(0, s->drafts[l] - tokens);
-    QKV_RETURN_IF_ERROR(I.backend->SetPages(s->partitions[l], s->layers[l].pages));
   }
   return Status::Ok();
 }

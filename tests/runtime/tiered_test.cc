@@ -268,6 +268,47 @@ TEST(Tiered, HostFullWithoutDiskIsAClearErrorAndNothingIsLost) {
   for (float x : o) EXPECT_NEAR(x, 0.5f, 1e-6);
 }
 
+// An append that seals more pages than half the host holds runs in pieces;
+// one refused part-way (hbm full of pages waiting for a host home) is cut
+// back whole, the old partial tail included, and the sequence serves and
+// takes appends as before.
+TEST(Tiered, ALongAppendRefusedPartWayLeavesTheSequenceAsItWas) {
+  Config c = Base();
+  c.hbm_bytes = 10 * c.geometry.page_bytes();
+  c.host_bytes = 6 * 4096;  // pieces of 3 pages
+  auto made = Runtime::Create(c), ref_made = Runtime::Create(Base());
+  ASSERT_TRUE(made.ok() && ref_made.ok());
+  Runtime &rt = **made, &ref = **ref_made;
+  const SeqId s = *rt.CreateSequence(), r = *ref.CreateSequence();
+  const std::size_t row = 2 * 16;
+  auto k0 = test::RandomNormal(6 * row, 1), v0 = test::RandomNormal(6 * row, 2);
+  ASSERT_TRUE(rt.Append(s, 1, k0.data(), v0.data(), 6).ok());
+  ASSERT_TRUE(ref.Append(r, 1, k0.data(), v0.data(), 6).ok());
+  const TierStats before = rt.tier_stats();
+  auto k = test::RandomNormal(200 * row, 3), v = test::RandomNormal(200 * row, 4);
+  const Status refused = rt.Append(s, 1, k.data(), v.data(), 200);
+  ASSERT_EQ(refused.code(), Code::kResourceExhausted) << refused.ToString();
+  EXPECT_GT(rt.tier_stats().bytes_hbm_to_host, before.bytes_hbm_to_host) << "no piece was appended before the refusal";
+  EXPECT_EQ(*rt.Length(s, 1), 6);
+  EXPECT_EQ(rt.live_pages(), 2u);  // 6 tokens: a full page and a copy of the old tail
+  EXPECT_EQ(rt.tier_stats().host_used_bytes, before.host_used_bytes);
+  // 40 more tokens fit: both runtimes hold the same 46, and decode alike.
+  ASSERT_TRUE(rt.Append(s, 1, k.data(), v.data(), 40).ok());
+  ASSERT_TRUE(ref.Append(r, 1, k.data(), v.data(), 40).ok());
+  std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
+  const SeqId ss[] = {s}, rs[] = {r};
+  for (int step = 0; step < 3; ++step) {
+    test::FillNormal(q.data(), q.size(), 70 + step);
+    ASSERT_TRUE(ref.DecodeAttention(rs, 1, q.data(), o1.data()).ok());
+    ASSERT_TRUE(rt.DecodeAttention(ss, 1, q.data(), o2.data()).ok());
+    ASSERT_EQ(o1, o2) << "step " << step;
+  }
+  ASSERT_TRUE(rt.Free(s).ok());
+  EXPECT_EQ(rt.live_pages(), 0u);
+  EXPECT_EQ(rt.tier_stats().hbm_used_bytes, 0u);
+  EXPECT_EQ(rt.tier_stats().host_used_bytes, 0u);
+}
+
 // Appends to both runtimes in chunks until the tiered one refuses one: the
 // refused chunk reaches neither, and the error is `want` naming `reason`.
 // Returns the tokens both hold.

@@ -589,6 +589,45 @@ TEST(CudaApi, EnqueuedStepsWithADiskTier) {
   std::filesystem::remove_all(dir);
 }
 
+// A prefill sealing more pages than the host holds runs in pieces; with no
+// disk to demote to, one refused part-way is cut back whole (the old partial
+// tail too), and the sequence decodes as an all-in-HBM twin that never saw it.
+TEST(CudaApi, ALongAppendRefusedPartWayLeavesTheSequenceAsItWas) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config mem = MakeConfig(Backend::kCuda, c);
+  Config small = mem;
+  small.host_bytes = 40 * 8192;  // 40 homes of [2][Hkv][S][D] f16: pieces of 20 pages
+  QKV_CREATE_CUDA(ref, mem);
+  QKV_CREATE_CUDA(rt, small);
+  const Geometry& g = mem.geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  const SeqId s = *rt->CreateSequence(), r = *ref->CreateSequence();
+  const auto k0 = Rounded(test::RandomNormal(37 * row, 1), c.dtype), v0 = Rounded(test::RandomNormal(37 * row, 2), c.dtype);
+  ASSERT_TRUE(rt->Append(s, 1, k0.data(), v0.data(), 37).ok());
+  ASSERT_TRUE(ref->Append(r, 1, k0.data(), v0.data(), 37).ok());
+  const TierStats before = rt->tier_stats();
+  const auto k = Rounded(test::RandomNormal(1000 * row, 3), c.dtype), v = Rounded(test::RandomNormal(1000 * row, 4), c.dtype);
+  const Status refused = rt->Append(s, 1, k.data(), v.data(), 1000);  // 62 pages to seal
+  ASSERT_EQ(refused.code(), Code::kResourceExhausted) << refused.ToString();
+  EXPECT_GT(rt->tier_stats().bytes_hbm_to_host, before.bytes_hbm_to_host) << "no piece ran before the refusal";
+  EXPECT_EQ(*rt->Length(s, 1), 37);
+  EXPECT_EQ(rt->live_pages(), 3u);
+  EXPECT_EQ(rt->tier_stats().host_used_bytes, before.host_used_bytes);
+  ASSERT_TRUE(rt->Append(s, 1, k.data(), v.data(), 300).ok());  // 20 pages sealed: fits
+  ASSERT_TRUE(ref->Append(r, 1, k.data(), v.data(), 300).ok());
+  std::vector<float> q(std::size_t(g.q_heads) * g.head_dim), o1(q.size()), o2(q.size());
+  const SeqId ss[] = {s}, rs[] = {r};
+  for (int step = 0; step < 3; ++step) {
+    q = Rounded(test::RandomNormal(q.size(), 70 + step), c.dtype);
+    ASSERT_TRUE(ref->DecodeAttention(rs, 1, q.data(), o1.data()).ok());
+    ASSERT_TRUE(rt->DecodeAttention(ss, 1, q.data(), o2.data()).ok());
+    ASSERT_EQ(o1, o2) << "step " << step;
+  }
+  ASSERT_TRUE(rt->Free(s).ok());
+  EXPECT_EQ(rt->live_pages(), 0u);
+  EXPECT_EQ(rt->tier_stats().host_used_bytes, 0u);
+}
+
 // Bad input: clear errors, and the runtime keeps serving.
 TEST(CudaErrors, BadInputLeavesTheRuntimeConsistent) {
   Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
