@@ -119,6 +119,8 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
   if (gqa > GqaMode::kUnion) return Status::InvalidArgument(Field("gqa", int(gqa), "is not a GQA mode"));
   if (rerank != 0 && !(rerank >= 1 && rerank <= 1e6))
     return Status::InvalidArgument("rerank = " + std::to_string(rerank) + ": 0 (off) or a factor in 1..1e6");
+  if (group_pages != 0 && !(group_pages >= 2 && group_pages <= (1 << 16)))
+    return Status::InvalidArgument("group_pages = " + std::to_string(group_pages) + ": 0 (flat scan) or 2..65536");
   if (rerank != 0 && gqa == GqaMode::kUnion)
     return Status::InvalidArgument("rerank needs gqa max or mean (union ranks per query head)");
   if (block_selection > BlockSelection::kShared)

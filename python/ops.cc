@@ -99,7 +99,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
                                 "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
-                                "block_selection", "rerank"};
+                                "block_selection", "rerank", "group_pages"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -120,6 +120,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   if (d.contains("gqa")) p.gqa = Value(ParseGqaMode(d.at("gqa")));
   if (d.contains("block_selection")) p.block_selection = Value(ParseBlockSelection(d.at("block_selection")));
   p.rerank = Real(d, "rerank", p.rerank);
+  p.group_pages = Narrow<int>(Int(d, "group_pages", p.group_pages), "group_pages");
   std::vector<int64_t> dense = IntList(d, "dense_layers", {p.dense_layers.begin(), p.dense_layers.end()});
   p.dense_layers.clear();
   for (int64_t l : dense) p.dense_layers.push_back(Narrow<int>(l, "dense_layers"));

@@ -83,6 +83,7 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.cuda_graphs = c.cuda_graphs != 0;
   cfg.policy.block_selection = static_cast<questkv::BlockSelection>(c.block_selection);
   cfg.policy.rerank = c.rerank;
+  cfg.policy.group_pages = c.group_pages;
   return cfg;
 }
 
@@ -126,6 +127,7 @@ void qkv_config_default(qkv_config* c) {
   c->cuda_graphs = d.cuda_graphs ? 1 : 0;
   c->block_selection = static_cast<qkv_block_selection>(d.policy.block_selection);
   c->rerank = d.policy.rerank;
+  c->group_pages = d.policy.group_pages;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <unordered_map>
 
 #include "kernels/cpu/kernels_cpu.h"
 #include "prefetch/tier_mover.h"
@@ -38,7 +39,10 @@ class CpuBackend final : public DataPlane {
         selector_(c.geometry, c.policy) {}
 
   Result<uint32_t> AddPartition() override { return hbm_->AddPartition(); }
-  void RemovePartition(uint32_t part) override { hbm_->RemovePartition(part); }
+  void RemovePartition(uint32_t part) override {
+    hbm_->RemovePartition(part);
+    groups_.erase(part);
+  }
   void GrowPages(uint32_t pages) override { hbm_->GrowPages(pages); }
   void PageDied(PageId page) override {
     hbm_->Drop(page);
@@ -104,13 +108,28 @@ class CpuBackend final : public DataPlane {
   // One selection for rows [b, b + n) of a shared block, over row b + n - 1's
   // pages, from every row's queries: the block's selector ranks them as one
   // group of n * G query heads per KV head.
-  Status SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next, int next_pages);
+  Status SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next, int next_pages,
+                      int64_t* boxes_rebuilt);
+  // Whether the selection of a list of n pages at `layer` ranks them.
+  bool Scores(int layer, int n) const {
+    return c_.policy.group_pages > 0 && !c_.policy.is_dense(layer) && c_.policy.page_budget(layer, g_.page_size) < n;
+  }
   // The re-rank's exact scores (SelectInput::exact_scores) for row b of the
   // CSR: each candidate page's max logit over its valid keys per query head
   // of the group (`group` heads of q for this KV head), aggregated by the
   // GQA mode; NaN for a page skipped under `deadline`.
   std::function<Status(int, std::span<const int32_t>, float*)> ExactScorer(const float* q, int group, int b);
   Status Dense(const Step& s);
+  // The hierarchical scan's group boxes (SelectInput::group_slab) for the n
+  // pages `ids` of partition `part`: a group is rebuilt from its page boxes
+  // when its pages changed (ids, generations) or one of them is unsealed (a
+  // tail's box grows); *rebuilt counts the page boxes read to do so.
+  const float* GroupSlab(uint32_t part, const uint32_t* ids, int n, int64_t* rebuilt);
+  struct GroupBoxes {
+    std::vector<std::pair<PageId, uint32_t>> pages;  // (id, generation) per logical page
+    std::vector<int> count;                          // pages per group when built
+    std::vector<float> boxes;                        // [group][Hkv][2][D]
+  };
 
   Config c_;
   Geometry g_;
@@ -125,6 +144,7 @@ class CpuBackend final : public DataPlane {
   int64_t step_ = 0;
   Selector selector_;
   std::map<int, Selector> block_selectors_;  // shared blocks, by rows
+  std::unordered_map<uint32_t, GroupBoxes> groups_;  // by partition
   std::vector<float> block_q_;
   // Scratch, reused across calls.
   PageTableCsr csr_;
@@ -401,7 +421,7 @@ Status CpuBackend::Decode(const Step& s) {
     const uint32_t* page_ids = csr_.pages(b);
     const int num_pages = csr_.num_pages(b);
     const uint32_t* next_ids = page_ids;  // the list next_ indexes
-    bool scored = false;  // this row's selection read the summaries
+    int64_t boxes_read = 0, boxes_rebuilt = 0;  // this row's selection's summary reads
     const auto t0 = Clock::now();
     if (s.shared_blocks.empty()) {
       SelectInput in;
@@ -411,16 +431,17 @@ Status CpuBackend::Decode(const Step& s) {
       in.num_pages = num_pages;
       in.layer = s.layer;
       if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, g_.group(), b);
+      if (Scores(s.layer, num_pages)) in.group_slab = GroupSlab(parts_[b], page_ids, num_pages, &boxes_rebuilt);
       QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
-      scored = !selector_.scores().empty();
+      boxes_read = selector_.boxes_read();
       if (stats) stats->rerank_key_bytes += selector_.reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
     } else {
       if (b == block_end) {  // a block starts: rows [b, b + n)
         if (next_block >= s.shared_blocks.size()) return Status::Internal("shared blocks cover fewer rows than the batch");
         const int n = s.shared_blocks[next_block++];
         block_end = b + n;
-        QKV_RETURN_IF_ERROR(SelectShared(s, b, n, &shared, &next_, prefetch));
-        scored = !block_selectors_.at(n).scores().empty();
+        QKV_RETURN_IF_ERROR(SelectShared(s, b, n, &shared, &next_, prefetch, &boxes_rebuilt));
+        boxes_read = block_selectors_.at(n).boxes_read();
         if (stats)
           stats->rerank_key_bytes += block_selectors_.at(n).reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
         next_ids = csr_.pages(block_end - 1);
@@ -452,16 +473,15 @@ Status CpuBackend::Decode(const Step& s) {
     }
     // The selector scores only when the budget is smaller than the page count;
     // a shared block scores once, over its last row's pages.
-    if (stats && scored) {
-      const int scored_pages = s.shared_blocks.empty() ? num_pages : csr_.num_pages(block_end - 1);
-      stats->summary_bytes_read += int64_t(scored_pages) * int64_t(summaries_->page_bytes());
-    }
+    if (stats)
+      stats->summary_bytes_read += (boxes_read * int64_t(summaries_->page_bytes()) / g_.kv_heads) +
+                                   boxes_rebuilt * int64_t(summaries_->page_bytes());
   }
   return Status::Ok();
 }
 
 Status CpuBackend::SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next,
-                                int next_pages) {
+                                int next_pages, int64_t* boxes_rebuilt) {
   if (n < 1 || b + n > csr_.batch()) return Status::Internal("a shared block past the batch");
   auto it = block_selectors_.find(n);
   if (it == block_selectors_.end()) {
@@ -485,7 +505,44 @@ Status CpuBackend::SelectShared(const Step& s, int b, int n, PageSelection* out,
   in.num_pages = csr_.num_pages(b + n - 1);
   in.layer = s.layer;
   if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, n * G, b + n - 1);
+  if (Scores(s.layer, in.num_pages)) in.group_slab = GroupSlab(parts_[b + n - 1], in.page_ids, in.num_pages, boxes_rebuilt);
   return it->second.Select(in, out, next, next_pages);
+}
+
+const float* CpuBackend::GroupSlab(uint32_t part, const uint32_t* ids, int n, int64_t* rebuilt) {
+  const int B = c_.policy.group_pages, groups = (n + B - 1) / B, H = g_.kv_heads, D = g_.head_dim;
+  const std::size_t box = g_.summary_elems();  // [Hkv][2][D]
+  GroupBoxes& gb = groups_[part];
+  if (gb.pages.size() < std::size_t(groups) * B) gb.pages.resize(std::size_t(groups) * B, {kNoPage, 0});
+  if (gb.count.size() < std::size_t(groups)) gb.count.resize(groups, 0);
+  if (gb.boxes.size() < std::size_t(groups) * box) gb.boxes.resize(std::size_t(groups) * box);
+  for (int grp = 0; grp < groups; ++grp) {
+    const int p0 = grp * B, count = std::min(B, n - p0);
+    bool same = gb.count[grp] == count;
+    for (int j = 0; j < count && same; ++j)
+      same = gb.pages[p0 + j] == std::pair<PageId, uint32_t>(ids[p0 + j], ids_->generation(ids[p0 + j])) &&
+             mover_->sealed(ids[p0 + j]);
+    if (same) continue;
+    float* dst = gb.boxes.data() + std::size_t(grp) * box;
+    for (int h = 0; h < H; ++h) {
+      std::fill_n(dst + h * 2 * D, D, std::numeric_limits<float>::infinity());
+      std::fill_n(dst + h * 2 * D + D, D, -std::numeric_limits<float>::infinity());
+    }
+    for (int j = 0; j < count; ++j) {
+      const float* src = summaries_->page(ids[p0 + j]);
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) {
+          float& lo = dst[h * 2 * D + d];
+          float& hi = dst[h * 2 * D + D + d];
+          lo = std::min(lo, src[h * 2 * D + d]);
+          hi = std::max(hi, src[h * 2 * D + D + d]);
+        }
+      gb.pages[p0 + j] = {ids[p0 + j], ids_->generation(ids[p0 + j])};
+    }
+    gb.count[grp] = count;
+    *rebuilt += count;
+  }
+  return gb.boxes.data();
 }
 
 std::function<Status(int, std::span<const int32_t>, float*)> CpuBackend::ExactScorer(const float* q, int group,

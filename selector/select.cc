@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/cpu/kernels_cpu.h"
 
@@ -56,14 +59,28 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
   }
   const int fixed = MarkSinkAndLocal(n);
   const int k = int(std::max<int64_t>(0, page_budget - fixed));
-  ScoreAll(in);
+  const bool grouped = p_.group_pages > 0 && in.group_slab != nullptr;
+  const bool rerank = p_.rerank > 0 && in.exact_scores;
+  if (grouped) {
+    scores_.assign(std::size_t(g_.q_heads) * n, -std::numeric_limits<float>::infinity());
+    boxes_read_ = 0;
+  } else {
+    ScoreAll(in);
+    boxes_read_ = int64_t(n) * g_.kv_heads;
+  }
+  const int G = g_.group();
   for (int h = 0; h < g_.kv_heads; ++h) {
     mark_.assign(skip_.begin(), skip_.end());
     if (p_.gqa == GqaMode::kUnion) {
-      for (int gi = 0; gi < g_.group(); ++gi) MarkTopK(HeadScores(h * g_.group() + gi), n, k);
+      for (int gi = 0; gi < G; ++gi) {
+        if (grouped) ScoreGrouped(in, h, gi, 1, GqaMode::kMax, n, k);
+        MarkTopK(HeadScores(h * G + gi), n, k);
+      }
     } else {
+      // The re-rank's candidates are the top ceil(rerank * k) by the bound.
+      if (grouped) ScoreGrouped(in, h, 0, G, p_.gqa, n, rerank ? int(std::min<double>(n, std::ceil(p_.rerank * k))) : k);
       Aggregate(h, n, p_.gqa);
-      if (p_.rerank > 0 && in.exact_scores) {
+      if (rerank) {
         QKV_RETURN_IF_ERROR(Rerank(in, h, n, k));
       } else {
         MarkTopK(agg_.data(), n, k);
@@ -97,6 +114,68 @@ void Selector::ScoreAll(const SelectInput& in) {
     kernels::ScorePagesCpu(in.q + std::size_t(h) * group * g_.head_dim, group, g_.head_dim,
                            in.summary_slab, g_.kv_heads, h, in.page_ids, n,
                            scores_.data() + std::size_t(h) * group * n, g_.e4m3_summaries());
+}
+
+// Scores of query heads [first, first + heads) of KV head h's group, as
+// ScoreAll writes them, for the pages of every group whose bound can reach the
+// k-th best score (aggregated by `mode`) among the other groups' pages read
+// before it; best bound first. A group's bound is the same ScorePagesCpu over
+// its box, and both the bound and the aggregation are monotone in the box,
+// rounding included: a page of a group whose bound is below the k-th score
+// scores below it too, so the top k (ties toward the lower page) are those of
+// the flat scan. The other pages keep -inf.
+void Selector::ScoreGrouped(const SelectInput& in, int h, int first, int heads, GqaMode mode, int n, int k) {
+  if (k <= 0) return;  // nothing to rank: no page is read
+  const int B = p_.group_pages, D = g_.head_dim, groups = (n + B - 1) / B;
+  const float* q = in.q + (std::size_t(h) * g_.group() + first) * D;
+  const bool e4m3 = g_.e4m3_summaries();
+  while (int(iota_.size()) < groups) iota_.push_back(uint32_t(iota_.size()));
+  group_bound_.resize(std::size_t(heads) * groups);
+  group_agg_.resize(groups);
+  kernels::ScorePagesCpu(q, heads, D, in.group_slab, g_.kv_heads, h, iota_.data(), groups, group_bound_.data(), e4m3);
+  AggregateGroupScores(group_bound_.data(), heads, groups, mode, group_agg_.data());
+  // Boxes read once per KV head: kUnion's heads scan in turn, each reading
+  // what it needs of the same boxes.
+  if (first == 0) {
+    boxes_read_ += groups;
+    read_.assign(n, 0);
+  }
+  // NaN (unknown) bounds first: such a group is always read.
+  auto key = [](float x) { return std::isnan(x) ? std::numeric_limits<float>::infinity() : x; };
+  order_.resize(groups);
+  for (int i = 0; i < groups; ++i) order_[i] = i;
+  std::sort(order_.begin(), order_.end(), [&](int a, int b) {
+    const float x = key(group_agg_[a]), y = key(group_agg_[b]);
+    return x != y ? x > y : a < b;
+  });
+  best_.clear();
+  const auto worse = std::greater<float>();  // min-heap: best_.front() is the k-th best
+  for (int g : order_) {
+    if (int(best_.size()) == k && key(group_agg_[g]) < best_.front()) break;  // so are the groups after it
+    const int p0 = g * B, count = std::min(B, n - p0);
+    page_scores_.resize(std::size_t(heads) * count);
+    page_agg_.resize(count);
+    kernels::ScorePagesCpu(q, heads, D, in.summary_slab, g_.kv_heads, h, in.page_ids + p0, count, page_scores_.data(),
+                           e4m3);
+    for (int j = 0; j < count; ++j) boxes_read_ += !std::exchange(read_[p0 + j], uint8_t(1));
+    AggregateGroupScores(page_scores_.data(), heads, count, mode, page_agg_.data());
+    for (int r = 0; r < heads; ++r)
+      std::copy_n(page_scores_.data() + std::size_t(r) * count, count,
+                  scores_.data() + (std::size_t(h) * g_.group() + first + r) * n + p0);
+    for (int j = 0; j < count; ++j) {
+      if (skip_[p0 + j]) continue;
+      // NaN ranks below every number: as -inf it can only make the scan read more.
+      const float x = std::isnan(page_agg_[j]) ? -std::numeric_limits<float>::infinity() : page_agg_[j];
+      if (int(best_.size()) < k) {
+        best_.push_back(x);
+        std::push_heap(best_.begin(), best_.end(), worse);
+      } else if (x > best_.front()) {
+        std::pop_heap(best_.begin(), best_.end(), worse);
+        best_.back() = x;
+        std::push_heap(best_.begin(), best_.end(), worse);
+      }
+    }
+  }
 }
 
 const float* Selector::HeadScores(int q_head) const {

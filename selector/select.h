@@ -38,6 +38,11 @@ struct SelectInput {
   // where the keys cannot be had now (the page is then ranked by its bound).
   // Null: no re-rank.
   std::function<Status(int kv_head, std::span<const int32_t> pages, float* exact)> exact_scores;
+  // Exact hierarchical scan (SelectionPolicy::group_pages = B): box g, laid
+  // out like the summary slab ([group][Hkv][2][D]), holds every page box of
+  // page_ids[g*B, (g+1)*B) — a larger box bounds a larger score, so group g's
+  // score bounds each of its pages'. Null: the flat scan.
+  const float* group_slab = nullptr;
 };
 
 // out[i] := the max or mean over the G rows of scores ([G][n], rows of n) of
@@ -61,14 +66,20 @@ class Selector {
 
   // Pages whose keys the last Select's re-rank read (all KV heads).
   int64_t reranked() const { return reranked_; }
+  // Boxes (one KV head's min/max pair, of a page or a group) the last Select
+  // scored: every page's for each KV head in the flat scan, 0 when it did not
+  // score.
+  int64_t boxes_read() const { return boxes_read_; }
   // Scores U_p(q) of the last Select, [Hq][num_pages] (row = query head), or
   // empty if the last Select did not score: a dense layer or a budget that
-  // covers every page selects all pages without ranking them. For diagnostics.
+  // covers every page selects all pages without ranking them. The
+  // hierarchical scan leaves -inf for the pages of groups it did not read.
   const std::vector<float>& scores() const { return scores_; }
 
  private:
   int MarkSinkAndLocal(int n);
   void ScoreAll(const SelectInput& in);
+  void ScoreGrouped(const SelectInput& in, int kv_head, int first, int heads, GqaMode mode, int n, int k);
   const float* HeadScores(int q_head) const;
   void Aggregate(int kv_head, int n, GqaMode mode);
   void MarkTopK(const float* scores, int n, int k);
@@ -86,6 +97,13 @@ class Selector {
   std::vector<float> exact_;      // re-rank: candidates' exact scores, then their ranking keys
   std::vector<int32_t> cand_;     // re-rank candidates
   int64_t reranked_ = 0;
+  int64_t boxes_read_ = 0;
+  // Hierarchical scan scratch.
+  std::vector<uint32_t> iota_;    // group ids 0..
+  std::vector<float> group_bound_, group_agg_, page_scores_, page_agg_;
+  std::vector<int> order_;        // groups, best bound first
+  std::vector<float> best_;       // min-heap of the k best scores read
+  std::vector<uint8_t> read_;     // [num_pages] boxes read for this KV head
 };
 
 }  // namespace questkv

@@ -97,6 +97,13 @@ struct SelectionPolicy {
   // says: max or mean), and the best K kept. Reads the candidates' keys.
   // >= 1; needs gqa max or mean.
   double rerank = 0;
+  // Exact hierarchical scan (0: off, the flat scan): a box over each run of
+  // `group_pages` consecutive pages bounds every page score inside it, so the
+  // score reads a group's pages only while its bound can reach the K-th best
+  // score found so far. Selections are exactly the flat scan's; what it saves
+  // in summary bytes depends on how far group bounds fall below the K-th
+  // score. Runners-up for prefetch come from the groups read. >= 2.
+  int group_pages = 0;
 
   bool is_dense(int layer) const;
   int64_t token_budget_for(int layer) const;

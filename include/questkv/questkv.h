@@ -85,6 +85,10 @@ typedef struct {
   /* two-stage re-rank: 0 off (plain Quest), else >= 1: the top ceil(rerank * K)
      pages by the bound ranked again by their exact max logit (CPU backend) */
   double rerank;
+  /* exact hierarchical scan: 0 off (flat scan), else >= 2 pages per group box
+     (CPU backend; the same selections, fewer summary bytes where groups fall
+     below the K-th score) */
+  int group_pages;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

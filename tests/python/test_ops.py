@@ -238,6 +238,19 @@ class OwnedCache(unittest.TestCase):
         with self.assertRaises(RuntimeError):
             runtime(rerank=0.5)
 
+    def test_group_pages_is_a_config_option(self):
+        plain, grouped = runtime(), runtime(group_pages=4)
+        sp, k, v = self.fill(plain, 300)
+        sg = grouped.create_sequence()
+        for layer in range(2):
+            grouped.append(sg, layer, k, v)
+        for _ in range(3):
+            q = torch.randn(1, HQ, D, generator=self.g)
+            self.assertTrue(torch.equal(plain.decode([sp], 1, q), grouped.decode([sg], 1, q)))
+        self.assertGreater(grouped.stats()["summary_bytes_read"], 0)
+        with self.assertRaises(RuntimeError):
+            runtime(group_pages=1)
+
     def test_shared_block_selection_is_a_config_option(self):
         per, shared = runtime(), runtime(block_selection="shared")
         sp, k, v = self.fill(per, 200)

@@ -874,6 +874,7 @@ std::string ReportJson(const RunReport& r) {
   j.Field("token_budget", p.token_budget).Field("sink_pages", p.sink_pages).Field("local_pages", p.local_pages);
   j.Field("gqa", GqaModeName(p.gqa)).Field("block_selection", BlockSelectionName(p.block_selection));
   j.Field("rerank", p.rerank);
+  j.Field("group_pages", p.group_pages);
   j.BeginArray("dense_layers");
   for (int l : p.dense_layers) j.Value(l);
   j.EndArray();
