@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--page-size", type=int, default=16, help="tokens a page; sink and local windows keep "
                    "16 and 128 tokens")
     p.add_argument("--summary-dtype", default="kv", help="kv (the K/V dtype) or e4m3")
+    p.add_argument("--group-pages", type=int, default=0, help="the exact hierarchical scan's group size for "
+                   "the sparse runs (SelectionPolicy::group_pages; 0: the flat scan)")
     p.add_argument("--hbm-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--host-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--disk-dir", default="")
@@ -104,7 +106,8 @@ def windows(files, count, length):
 
 
 def runtime_config(args, budget, rerank=0.0):
-    return dict(rerank=rerank, layers=6, q_heads=6, kv_heads=2, head_dim=64, page_size=args.page_size,
+    return dict(rerank=rerank, group_pages=args.group_pages if budget else 0, layers=6, q_heads=6, kv_heads=2,
+                head_dim=64, page_size=args.page_size,
                 summary_dtype=args.summary_dtype, token_budget=budget or 256,
                 sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
                 dense_layers=range(6) if budget is None else [0, 1], gqa="max",
@@ -151,18 +154,20 @@ def print_table(args, runs):
     offload_mib = args.window * KV_BYTES_PER_TOKEN / 2**20
     print(f"tinylm, {args.windows} windows of {args.window} tokens, last {args.steps} decoded; means over windows")
     print("| run | loss (nats/byte) | vs dense | step ms/token | of which questkv | "
-          "pages attended | K/V read KiB/token | read KiB/token (K/V + summaries + re-rank keys) | host→hbm KiB/token |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "pages attended | K/V read KiB/token | summaries read KiB/token | "
+          "read KiB/token (K/V + summaries + re-rank keys) | host→hbm KiB/token |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, rows in runs.items():
         loss = mean(rows, "loss")
         if name == "reference":
-            print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | — | — | all | — | — | — |")
+            print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | — | — | all | — | — | — | — |")
             continue
         steps = args.steps
         pages = sum(r["head_pages_selected"] for r in rows) / sum(r["head_pages_total"] for r in rows)
         print(f"| {name} | {loss:.4f} | {loss - dense:+.4f} | {mean(rows, 'ms_per_token'):.2f} | "
               f"{mean(rows, 'questkv_ms_per_token'):.2f} | {100 * pages:.1f}% | "
               f"{mean(rows, 'kv_bytes_read') / steps / 1024:.0f} | "
+              f"{mean(rows, 'summary_bytes_read') / steps / 1024:.0f} | "
               f"{(mean(rows, 'kv_bytes_read') + mean(rows, 'summary_bytes_read') + mean(rows, 'rerank_key_bytes')) / steps / 1024:.0f} | "
               f"{mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
     print(f"A dense offload would move {offload_mib:.1f} MiB of K/V a token at this context.")
