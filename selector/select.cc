@@ -48,6 +48,7 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
   out->pages.clear();
   scores_.clear();
   reranked_ = 0;
+  boxes_read_ = 0;
   const int64_t page_budget = p_.page_budget(in.layer, g_.page_size);
   if (p_.is_dense(in.layer) || page_budget >= n) {
     // Every page is attended, so ranking would change nothing: skip scoring.

@@ -156,6 +156,12 @@ TEST(HierarchicalScan, ReadsFewerSummaryBytesWhereKeysAreLocal) {
   EXPECT_LT(g.summary_bytes_read, f.summary_bytes_read / 4) << g.summary_bytes_read << " of " << f.summary_bytes_read;
   // The first step reads every page's box once to build the groups.
   EXPECT_GE(warm_g.summary_bytes_read, warm_f.summary_bytes_read);
+  // The dense layer reads no summary, right after a sparse one did.
+  std::vector<float> q = Queries(1, 50, u, 1.0), o(q.size());
+  const SeqId one[] = {s.second};
+  AttendStats dense;
+  ASSERT_TRUE(tw.grouped->DecodeAttention(one, 0, q.data(), o.data(), nullptr, &dense).ok());
+  EXPECT_EQ(dense.summary_bytes_read, 0);
 }
 
 TEST(HierarchicalScan, BadGroupSizesAreRefused) {
