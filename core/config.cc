@@ -121,6 +121,11 @@ Status SelectionPolicy::Validate(const Geometry& g) const {
     return Status::InvalidArgument("rerank = " + std::to_string(rerank) + ": 0 (off) or a factor in 1..1e6");
   if (group_pages != 0 && !(group_pages >= 2 && group_pages <= (1 << 16)))
     return Status::InvalidArgument("group_pages = " + std::to_string(group_pages) + ": 0 (flat scan) or 2..65536");
+  if (!(unread_bound_mass >= 0 && unread_bound_mass < 1))
+    return Status::InvalidArgument("unread_bound_mass = " + std::to_string(unread_bound_mass) + ": 0 (off) or in (0, 1)");
+  if (adaptive_floor < 0) return Status::InvalidArgument(Field("adaptive_floor", adaptive_floor, "must be >= 0"));
+  if (unread_bound_mass > 0 && group_pages > 0)
+    return Status::InvalidArgument("unread_bound_mass needs every page's bound: it excludes group_pages");
   if (rerank != 0 && gqa == GqaMode::kUnion)
     return Status::InvalidArgument("rerank needs gqa max or mean (union ranks per query head)");
   if (block_selection > BlockSelection::kShared)

@@ -99,7 +99,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
                                 "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
-                                "block_selection", "rerank", "group_pages"};
+                                "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -121,6 +121,8 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   if (d.contains("block_selection")) p.block_selection = Value(ParseBlockSelection(d.at("block_selection")));
   p.rerank = Real(d, "rerank", p.rerank);
   p.group_pages = Narrow<int>(Int(d, "group_pages", p.group_pages), "group_pages");
+  p.unread_bound_mass = Real(d, "unread_bound_mass", p.unread_bound_mass);
+  p.adaptive_floor = Int(d, "adaptive_floor", p.adaptive_floor);
   std::vector<int64_t> dense = IntList(d, "dense_layers", {p.dense_layers.begin(), p.dense_layers.end()});
   p.dense_layers.clear();
   for (int64_t l : dense) p.dense_layers.push_back(Narrow<int>(l, "dense_layers"));
@@ -217,6 +219,18 @@ class RuntimeHolder : public torch::CustomClassHolder {
     d.insert("kv_bytes_read", attend_.kv_bytes_read);
     d.insert("summary_bytes_read", attend_.summary_bytes_read);
     d.insert("rerank_key_bytes", attend_.rerank_key_bytes);
+    d.insert("adaptive_rankings", attend_.adaptive_rankings);
+    d.insert("adaptive_pages", attend_.adaptive_pages);
+    d.insert("adaptive_pages_max", attend_.adaptive_pages_max);
+    d.insert("adaptive_cap_hits", attend_.adaptive_cap_hits);
+    // The pages-per-ranking percentile (of counts up to kAdaptiveHistPages) at 95%.
+    int64_t seen = 0, p95 = 0;
+    for (int i = 0; i <= AttendStats::kAdaptiveHistPages; ++i)
+      if ((seen += attend_.adaptive_hist[i]) * 100 >= attend_.adaptive_rankings * 95) {
+        p95 = i;
+        break;
+      }
+    d.insert("adaptive_pages_p95", p95);
     d.insert("live_pages", int64_t(rt_->live_pages()));
     d.insert("live_sequences", int64_t(rt_->live_sequences()));
     return d;
@@ -252,6 +266,11 @@ class RuntimeHolder : public torch::CustomClassHolder {
     attend_.kv_bytes_read += stats.kv_bytes_read;
     attend_.summary_bytes_read += stats.summary_bytes_read;
     attend_.rerank_key_bytes += stats.rerank_key_bytes;
+    attend_.adaptive_rankings += stats.adaptive_rankings;
+    attend_.adaptive_pages += stats.adaptive_pages;
+    attend_.adaptive_pages_max = std::max(attend_.adaptive_pages_max, stats.adaptive_pages_max);
+    attend_.adaptive_cap_hits += stats.adaptive_cap_hits;
+    for (int i = 0; i <= AttendStats::kAdaptiveHistPages; ++i) attend_.adaptive_hist[i] += stats.adaptive_hist[i];
     return o;
   }
 

@@ -84,6 +84,8 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.policy.block_selection = static_cast<questkv::BlockSelection>(c.block_selection);
   cfg.policy.rerank = c.rerank;
   cfg.policy.group_pages = c.group_pages;
+  cfg.policy.unread_bound_mass = c.unread_bound_mass;
+  cfg.policy.adaptive_floor = c.adaptive_floor;
   return cfg;
 }
 
@@ -128,6 +130,8 @@ void qkv_config_default(qkv_config* c) {
   c->block_selection = static_cast<qkv_block_selection>(d.policy.block_selection);
   c->rerank = d.policy.rerank;
   c->group_pages = d.policy.group_pages;
+  c->unread_bound_mass = d.policy.unread_bound_mass;
+  c->adaptive_floor = d.policy.adaptive_floor;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

@@ -120,6 +120,16 @@ class CpuBackend final : public DataPlane {
   // GQA mode; NaN for a page skipped under `deadline`.
   std::function<Status(int, std::span<const int32_t>, float*)> ExactScorer(const float* q, int group, int b);
   Status Dense(const Step& s);
+  static void CountAdaptive(const Selector& sel, AttendStats* stats) {
+    for (std::size_t i = 0; i < sel.adaptive_pages().size(); ++i) {
+      const int pages = sel.adaptive_pages()[i];
+      ++stats->adaptive_rankings;
+      stats->adaptive_pages += pages;
+      stats->adaptive_pages_max = std::max<int64_t>(stats->adaptive_pages_max, pages);
+      stats->adaptive_cap_hits += sel.adaptive_capped()[i];
+      ++stats->adaptive_hist[std::min(pages, AttendStats::kAdaptiveHistPages)];
+    }
+  }
   // The hierarchical scan's group boxes (SelectInput::group_slab) for the n
   // pages `ids` of partition `part`: a group is rebuilt from its page boxes
   // when its pages changed (ids, generations) or one of them is unsealed (a
@@ -434,6 +444,7 @@ Status CpuBackend::Decode(const Step& s) {
       if (Scores(s.layer, num_pages)) in.group_slab = GroupSlab(parts_[b], page_ids, num_pages, &boxes_rebuilt);
       QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
       boxes_read = selector_.boxes_read();
+      if (stats) CountAdaptive(selector_, stats);
       if (stats) stats->rerank_key_bytes += selector_.reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
     } else {
       if (b == block_end) {  // a block starts: rows [b, b + n)
@@ -442,6 +453,7 @@ Status CpuBackend::Decode(const Step& s) {
         block_end = b + n;
         QKV_RETURN_IF_ERROR(SelectShared(s, b, n, &shared, &next_, prefetch, &boxes_rebuilt));
         boxes_read = block_selectors_.at(n).boxes_read();
+        if (stats) CountAdaptive(block_selectors_.at(n), stats);
         if (stats)
           stats->rerank_key_bytes += block_selectors_.at(n).reranked() * int64_t(g_.page_size) * g_.head_dim * 4;
         next_ids = csr_.pages(block_end - 1);

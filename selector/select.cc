@@ -49,6 +49,8 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
   scores_.clear();
   reranked_ = 0;
   boxes_read_ = 0;
+  adaptive_pages_.clear();
+  adaptive_capped_.clear();
   const int64_t page_budget = p_.page_budget(in.layer, g_.page_size);
   if (p_.is_dense(in.layer) || page_budget >= n) {
     // Every page is attended, so ranking would change nothing: skip scoring.
@@ -70,21 +72,25 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
     boxes_read_ = int64_t(n) * g_.kv_heads;
   }
   const int G = g_.group();
+  const bool adaptive = p_.unread_bound_mass > 0;
+  const int floor_k = int(std::clamp<int64_t>(p_.adaptive_floor / g_.page_size - fixed, 0, k));
   for (int h = 0; h < g_.kv_heads; ++h) {
     mark_.assign(skip_.begin(), skip_.end());
     if (p_.gqa == GqaMode::kUnion) {
       for (int gi = 0; gi < G; ++gi) {
         if (grouped) ScoreGrouped(in, h, gi, 1, GqaMode::kMax, n, k);
-        MarkTopK(HeadScores(h * G + gi), n, k);
+        const float* s = HeadScores(h * G + gi);
+        MarkTopK(s, n, adaptive ? AdaptiveK(s, n, floor_k, k) : k);
       }
     } else {
       // The re-rank's candidates are the top ceil(rerank * k) by the bound.
       if (grouped) ScoreGrouped(in, h, 0, G, p_.gqa, n, rerank ? int(std::min<double>(n, std::ceil(p_.rerank * k))) : k);
       Aggregate(h, n, p_.gqa);
+      const int kh = adaptive ? AdaptiveK(agg_.data(), n, floor_k, k) : k;
       if (rerank) {
-        QKV_RETURN_IF_ERROR(Rerank(in, h, n, k));
+        QKV_RETURN_IF_ERROR(Rerank(in, h, n, kh));
       } else {
-        MarkTopK(agg_.data(), n, k);
+        MarkTopK(agg_.data(), n, kh);
       }
     }
     EmitRow(mark_, n, out);
@@ -234,6 +240,40 @@ Status Selector::Rerank(const SelectInput& in, int kv_head, int n, int k) {
   const int kept = kernels::TopKCpu(exact_.data(), got, nullptr, k, chosen_.data(), scratch_.data());
   for (int i = 0; i < kept; ++i) mark_[cand_[chosen_[i]]] = 1;
   return Status::Ok();
+}
+
+// The fewest of the top cap_k pages (outside skip_), at least floor_k, whose
+// bound mass exp(U/sqrt(D)) leaves at most unread_bound_mass of all the
+// ranked pages' bound mass unread. Masses are taken relative to the largest
+// bound; an infinite or NaN largest bound (nothing to compare) takes the cap.
+int Selector::AdaptiveK(const float* scores, int n, int floor_k, int cap_k) {
+  const float scale = 1.f / std::sqrt(float(g_.head_dim));
+  float top = -std::numeric_limits<float>::infinity();
+  int ranked = 0;
+  for (int i = 0; i < n; ++i)
+    if (!skip_[i]) top = std::max(top, scores[i]), ++ranked;  // std::max keeps top over a NaN score
+  int k = std::min(cap_k, ranked);
+  if (std::isfinite(top)) {
+    double total = 0;
+    for (int i = 0; i < n; ++i)
+      if (!skip_[i] && !std::isnan(scores[i])) total += std::exp(double(scores[i] - top) * scale);
+    chosen_.resize(n);
+    scratch_.resize(n);
+    const int got = kernels::TopKCpu(scores, n, skip_.data(), k, chosen_.data(), scratch_.data());
+    ranked_.assign(chosen_.begin(), chosen_.begin() + got);
+    std::sort(ranked_.begin(), ranked_.end(), [&](int a, int b) {
+      const bool na = std::isnan(scores[a]), nb = std::isnan(scores[b]);
+      if (na != nb) return nb;
+      return !na && scores[a] != scores[b] ? scores[a] > scores[b] : a < b;
+    });
+    const double unread_limit = p_.unread_bound_mass * total;
+    double unread = total;
+    for (k = 0; k < got && (k < floor_k || unread > unread_limit); ++k)
+      if (!std::isnan(scores[ranked_[k]])) unread -= std::exp(double(scores[ranked_[k]] - top) * scale);
+  }
+  adaptive_pages_.push_back(k);
+  adaptive_capped_.push_back(k == cap_k);
+  return k;
 }
 
 void Selector::MarkTopK(const float* scores, int n, int k) {

@@ -70,6 +70,11 @@ class Selector {
   // scored: every page's for each KV head in the flat scan, 0 when it did not
   // score.
   int64_t boxes_read() const { return boxes_read_; }
+  // Adaptive budgets: the page counts beyond sink and local the last Select
+  // chose, one per ranking; empty when the rule is off or nothing was ranked.
+  const std::vector<int>& adaptive_pages() const { return adaptive_pages_; }
+  // Whether each of those stopped at the cap.
+  const std::vector<uint8_t>& adaptive_capped() const { return adaptive_capped_; }
   // Scores U_p(q) of the last Select, [Hq][num_pages] (row = query head), or
   // empty if the last Select did not score: a dense layer or a budget that
   // covers every page selects all pages without ranking them. The
@@ -83,6 +88,7 @@ class Selector {
   const float* HeadScores(int q_head) const;
   void Aggregate(int kv_head, int n, GqaMode mode);
   void MarkTopK(const float* scores, int n, int k);
+  int AdaptiveK(const float* scores, int n, int floor_k, int cap_k);
   Status Rerank(const SelectInput& in, int kv_head, int n, int k);
   void EmitRunnersUp(int h, int n, int count, PageSelection* next);
 
@@ -104,6 +110,9 @@ class Selector {
   std::vector<int> order_;        // groups, best bound first
   std::vector<float> best_;       // min-heap of the k best scores read
   std::vector<uint8_t> read_;     // [num_pages] boxes read for this KV head
+  std::vector<int> adaptive_pages_;
+  std::vector<uint8_t> adaptive_capped_;
+  std::vector<int> ranked_;       // adaptive: candidates, best first
 };
 
 }  // namespace questkv

@@ -104,6 +104,15 @@ struct SelectionPolicy {
   // in summary bytes depends on how far group bounds fall below the K-th
   // score. Runners-up for prefetch come from the groups read. >= 2.
   int group_pages = 0;
+  // Adaptive budgets (0: off, a fixed K). Each ranking (a KV head's, or a
+  // query head's under kUnion) takes the fewest top pages beyond sink and
+  // local whose bound mass exp(U_p/sqrt(D)) leaves at most this share of the
+  // ranked pages' bound mass unread, between `adaptive_floor` tokens' worth
+  // and the layer's token budget (the cap): few pages where a handful of
+  // bounds stand out, the cap where they are flat. A heuristic on the bounds,
+  // not a certificate on the true softmax mass. In [0, 1); needs the flat scan.
+  double unread_bound_mass = 0;
+  int64_t adaptive_floor = 0;
 
   bool is_dense(int layer) const;
   int64_t token_budget_for(int layer) const;

@@ -89,6 +89,11 @@ typedef struct {
      (CPU backend; the same selections, fewer summary bytes where groups fall
      below the K-th score) */
   int group_pages;
+  /* adaptive budgets: 0 off (a fixed K), else in (0, 1): the fewest pages whose
+     bound mass leaves at most this share unread, from adaptive_floor tokens up
+     to the token budget (CPU backend) */
+  double unread_bound_mass;
+  int64_t adaptive_floor;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

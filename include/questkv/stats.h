@@ -13,6 +13,13 @@ struct AttendStats {
   int64_t kv_bytes_read = 0;        // K/V bytes the sparse attention read
   int64_t summary_bytes_read = 0;   // summary bytes the scoring read
   int64_t rerank_key_bytes = 0;     // key bytes the re-rank read (SelectionPolicy::rerank)
+  // Adaptive budgets (SelectionPolicy::unread_bound_mass): rankings whose
+  // page count the rule set, the pages they chose beyond sink and local
+  // (in all, the largest, how many stopped at the cap), and how many chose
+  // p pages: adaptive_hist[min(p, kAdaptiveHistPages)].
+  static constexpr int kAdaptiveHistPages = 256;
+  int64_t adaptive_rankings = 0, adaptive_pages = 0, adaptive_pages_max = 0, adaptive_cap_hits = 0;
+  int64_t adaptive_hist[kAdaptiveHistPages + 1] = {};
   // Wall time of the phases, microseconds: selection (scores + top-K),
   // resolve (finding or fetching every selected head-page), attention.
   double select_us = 0, resolve_us = 0, attend_us = 0;

@@ -251,6 +251,17 @@ class OwnedCache(unittest.TestCase):
         with self.assertRaises(RuntimeError):
             runtime(group_pages=1)
 
+    def test_adaptive_budgets_are_a_config_option(self):
+        rt = runtime(unread_bound_mass=0.1, adaptive_floor=32)
+        s, _, _ = self.fill(rt, 300)
+        rt.decode([s], 1, torch.randn(1, HQ, D, generator=self.g))
+        st = rt.stats()
+        self.assertEqual(st["adaptive_rankings"], HKV)
+        self.assertLessEqual(st["adaptive_pages_p95"], st["adaptive_pages_max"])
+        self.assertLessEqual(st["adaptive_pages"], HKV * st["adaptive_pages_max"])
+        with self.assertRaises(RuntimeError):
+            runtime(unread_bound_mass=1.5)
+
     def test_shared_block_selection_is_a_config_option(self):
         per, shared = runtime(), runtime(block_selection="shared")
         sp, k, v = self.fill(per, 200)

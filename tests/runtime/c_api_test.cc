@@ -74,6 +74,12 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qkv_create_error()).find("group_pages"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
+  EXPECT_EQ(cfg.unread_bound_mass, 0.0);
+  EXPECT_EQ(cfg.adaptive_floor, 0);
+  cfg.unread_bound_mass = 1.0;
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qkv_create_error()).find("unread_bound_mass"), std::string::npos) << qkv_create_error();
+  qkv_config_default(&cfg);
   EXPECT_EQ(cfg.summary_dtype, QKV_SUMMARY_KV);
   cfg.summary_dtype = QKV_SUMMARY_E4M3;
   ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();

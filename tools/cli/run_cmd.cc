@@ -38,6 +38,8 @@ constexpr const char* kUsage =
     "           max logit, the best K kept)\n"
     "           --group-pages B [0: the flat scan] (cpu: exact hierarchical scan, a box over each B\n"
     "           pages skips the groups that cannot reach the K-th score; the same selections)\n"
+    "           --unread-bound-mass E [0: a fixed K] --adaptive-floor T [0] (cpu: adaptive budgets, the\n"
+    "           fewest pages leaving at most E of the bound mass unread, T tokens to the budget)\n"
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
@@ -75,6 +77,11 @@ Status ParsePolicy(const Flags& f, const Geometry& g, SelectionPolicy& p) {
   if (rerank.empty() || *end != '\0') return Status::InvalidArgument("--rerank: '" + rerank + "' is not a number");
   QKV_ASSIGN_OR_RETURN(int64_t group_pages, f.Int("group-pages", p.group_pages, 0, 1 << 16));
   p.group_pages = int(group_pages);
+  QKV_ASSIGN_OR_RETURN(std::string unread, f.String("unread-bound-mass", "0"));
+  p.unread_bound_mass = std::strtod(unread.c_str(), &end);
+  if (unread.empty() || *end != '\0')
+    return Status::InvalidArgument("--unread-bound-mass: '" + unread + "' is not a number");
+  QKV_ASSIGN_OR_RETURN(p.adaptive_floor, f.Int("adaptive-floor", p.adaptive_floor, 0, int64_t(1) << 40));
   QKV_ASSIGN_OR_RETURN(std::string block, f.String("block-selection", "per-position"));
   QKV_ASSIGN_OR_RETURN(p.block_selection, ParseBlockSelection(block));
   QKV_ASSIGN_OR_RETURN(std::vector<int64_t> dense, f.IntList("dense-layers", DefaultDenseLayers(g.layers)));
@@ -230,7 +237,7 @@ int RunMain(int argc, char** argv) {
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
-               "draft", "accept-rate", "block-selection", "rerank", "group-pages"},
+               "draft", "accept-rate", "block-selection", "rerank", "group-pages", "unread-bound-mass", "adaptive-floor"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
                "split-long-rows", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {

@@ -875,6 +875,7 @@ std::string ReportJson(const RunReport& r) {
   j.Field("gqa", GqaModeName(p.gqa)).Field("block_selection", BlockSelectionName(p.block_selection));
   j.Field("rerank", p.rerank);
   j.Field("group_pages", p.group_pages);
+  j.Field("unread_bound_mass", p.unread_bound_mass).Field("adaptive_floor", p.adaptive_floor);
   j.BeginArray("dense_layers");
   for (int l : p.dense_layers) j.Value(l);
   j.EndArray();
