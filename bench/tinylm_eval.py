@@ -46,6 +46,9 @@ def parse_args():
     p.add_argument("--page-size", type=int, default=16, help="tokens a page; sink and local windows keep "
                    "16 and 128 tokens")
     p.add_argument("--summary-dtype", default="kv", help="kv (the K/V dtype) or e4m3")
+    p.add_argument("--adaptive", default="", help="unread bound-mass shares run as adaptive budgets beside "
+                   "plain Quest at each budget (the cap), comma-separated (SelectionPolicy::unread_bound_mass)")
+    p.add_argument("--adaptive-floor", type=int, default=0, help="the adaptive budgets' floor, tokens")
     p.add_argument("--group-pages", type=int, default=0, help="the exact hierarchical scan's group size for "
                    "the sparse runs (SelectionPolicy::group_pages; 0: the flat scan)")
     p.add_argument("--hbm-bytes", type=int, default=0, help="0: room for every page")
@@ -105,8 +108,9 @@ def windows(files, count, length):
     return total, [(s, read_span(files, s, length)) for s in starts]
 
 
-def runtime_config(args, budget, rerank=0.0):
-    return dict(rerank=rerank, group_pages=args.group_pages if budget else 0, layers=6, q_heads=6, kv_heads=2,
+def runtime_config(args, budget, rerank=0.0, unread=0.0):
+    return dict(rerank=rerank, unread_bound_mass=unread, adaptive_floor=args.adaptive_floor if unread else 0,
+                group_pages=args.group_pages if budget else 0, layers=6, q_heads=6, kv_heads=2,
                 head_dim=64, page_size=args.page_size,
                 summary_dtype=args.summary_dtype, token_budget=budget or 256,
                 sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
@@ -121,23 +125,28 @@ def decode_figures(r):
     delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
                                                "head_pages_selected", "head_pages_total", "kv_bytes_read",
                                                "summary_bytes_read", "rerank_key_bytes")}
-    return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta)
+    adaptive = {k: after[k] for k in ("adaptive_rankings", "adaptive_pages", "adaptive_pages_max", "adaptive_cap_hits",
+                                      "adaptive_pages_p95")}
+    return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta,
+                **adaptive)
 
 
 def evaluate(args, questkv, tinylm, model, spans):
     budgets = [int(b) for b in args.budgets.split(",")]
     reranks = [float(c) for c in args.reranks.split(",") if c]
-    configs = [("dense", None, 0.0)]
+    unreads = [float(e) for e in args.adaptive.split(",") if e]
+    configs = [("dense", None, 0.0, 0.0)]
     for b in budgets:
-        configs += [(f"quest-{b}", b, 0.0)] + [(f"rerank{c:g}-{b}", b, c) for c in reranks]
-    runs = {"reference": []} | {name: [] for name, _, _ in configs}
+        configs += [(f"quest-{b}", b, 0.0, 0.0)] + [(f"rerank{c:g}-{b}", b, c, 0.0) for c in reranks]
+        configs += [(f"adaptive{e:g}-{b}", b, 0.0, e) for e in unreads]
+    runs = {"reference": []} | {name: [] for name, *_ in configs}
     prefill = args.window - args.steps
     for i, (start, data) in enumerate(spans):
         t0 = time.perf_counter()
         cache = tinylm.prefill_cache(model, data, prefill)
         runs["reference"].append(dict(loss=tinylm.reference_loss(model, data, prefill, args.steps, cache=cache)))
-        for name, budget, rerank in configs:
-            rt = questkv.Runtime(**runtime_config(args, budget, rerank))
+        for name, budget, rerank, unread in configs:
+            rt = questkv.Runtime(**runtime_config(args, budget, rerank, unread))
             runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache)))
             del rt
         print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "
@@ -171,6 +180,16 @@ def print_table(args, runs):
               f"{(mean(rows, 'kv_bytes_read') + mean(rows, 'summary_bytes_read') + mean(rows, 'rerank_key_bytes')) / steps / 1024:.0f} | "
               f"{mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
     print(f"A dense offload would move {offload_mib:.1f} MiB of K/V a token at this context.")
+    adaptive = [(name, rows) for name, rows in runs.items() if rows and rows[0].get("adaptive_rankings")]
+    if adaptive:
+        print("\nAdaptive budgets: query-aware pages per ranking (beside sink and local), over every window")
+        print("| run | mean | P95 (max over windows) | max | at the cap |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, rows in adaptive:
+            n = sum(r["adaptive_rankings"] for r in rows)
+            print(f"| {name} | {sum(r['adaptive_pages'] for r in rows) / n:.1f} | "
+                  f"{max(r['adaptive_pages_p95'] for r in rows)} | {max(r['adaptive_pages_max'] for r in rows)} | "
+                  f"{100 * sum(r['adaptive_cap_hits'] for r in rows) / n:.1f}% |")
 
 
 def main():
