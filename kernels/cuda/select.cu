@@ -37,9 +37,10 @@
 //     short, and emits the row in one ordered pass. kUnion selects per query
 //     head over the whole row and ORs the winners into a byte mask first.
 //  FusedSelectKernel (kMax/kMean, G <= 4, rows of <= 2048 pages, <= 8192
-//  head-pages in all, all rows' clusters in one wave): 1 and 3 in one
-//  launch, a cluster of 8 blocks per row scoring into the first block's
-//  shared key cache, which then selects and emits.
+//  head-pages in all, all rows' clusters in one wave; summaries in the
+//  query's dtype or E4M3): 1 and 3 in one launch, a cluster of 8 blocks per
+//  row scoring into the first block's shared key cache, which then selects
+//  and emits.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -109,7 +110,8 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  if (!s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 && p.q_dtype == p.summary_dtype &&
+  if (!s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 &&
+      (p.q_dtype == p.summary_dtype || p.summary_dtype == DType::kE4M3) &&
       plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
       (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
       rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm)) {  // one wave: a cluster block per SM

@@ -120,7 +120,13 @@ cudaError_t LaunchFusedSelect(const SelectPlan& plan, const SelectParams& p, cud
         // (G > 4 never gets here; naming only G <= 4 keeps nvcc from
         // wanting a G = 8 instantiation's stub.)
         constexpr int kG = G <= 4 ? G : 4;
-        if constexpr (G <= 4) FusedSelectKernel<T, T, D, kG><<<grid, kTopKThreads, smem, stream>>>(p);
+        if constexpr (G <= 4) {
+          if (p.summary_dtype == DType::kE4M3) {
+            FusedSelectKernel<T, E4m3Code, D, kG><<<grid, kTopKThreads, smem, stream>>>(p);
+          } else {
+            FusedSelectKernel<T, T, D, kG><<<grid, kTopKThreads, smem, stream>>>(p);
+          }
+        }
       })
     })
   })

@@ -321,8 +321,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // E4M3 summaries, over every score kernel: staged (G <= 2, D 128 and 256; G = 8 at
 // 256K head-pages, with long rows of many +inf scores), direct (G >= 4 and D = 64 at
-// any G), lanes (G = 4, D = 128, also with f32 q's separate product and sum), each
-// GQA mode and q dtype, dense, and the top-K's short-row and long-row paths.
+// any G), lanes (G = 4, D = 128, also with f32 q's separate product and sum), the
+// fused short-row select (max/mean, G <= 4, few pages), each GQA mode and q dtype,
+// dense, and the top-K's short-row and long-row paths.
 constexpr DType E4M3 = DType::kE4M3;
 INSTANTIATE_TEST_SUITE_P(
     E4m3, SelectCudaTest,
