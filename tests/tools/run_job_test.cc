@@ -53,6 +53,19 @@ TEST(RunJob, ReportsEveryRequiredField) {
   EXPECT_EQ(r->dense_offload_bytes, expect);
 }
 
+// The report reaches `finished` once, the same as the one returned.
+TEST(RunJob, HandsTheReportOverBeforeTheTeardown) {
+  int calls = 0;
+  std::string seen;
+  auto r = RunJob(Small(), [&](const RunReport& report) {
+    ++calls;
+    seen = ReportJson(report);
+  });
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen, ReportJson(*r));
+}
+
 TEST(RunJob, DigestDependsOnlyOnWhatIsComputed) {
   RunOptions a = Small();
   RunOptions b = Small();

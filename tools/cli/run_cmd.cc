@@ -253,15 +253,18 @@ int RunMain(int argc, char** argv) {
     std::fprintf(stderr, "questkv run: %s\n", options.status().ToString().c_str());
     return 2;
   }
-  auto report = RunJob(*options);
+  // Printed before the runtime's teardown, which can take long at 1M tokens.
+  auto report = RunJob(*options, [&](const RunReport& r) {
+    if (flags.has("json")) {
+      std::printf("%s\n", ReportJson(r).c_str());
+    } else {
+      std::fputs(FormatReport(r).c_str(), stdout);
+    }
+    std::fflush(stdout);
+  });
   if (!report.ok()) {
     std::fprintf(stderr, "questkv run: %s\n", report.status().ToString().c_str());
     return 1;
-  }
-  if (flags.has("json")) {
-    std::printf("%s\n", ReportJson(*report).c_str());
-  } else {
-    std::fputs(FormatReport(*report).c_str(), stdout);
   }
   return 0;
 }

@@ -658,7 +658,7 @@ void LingerForScrapes(int ms) {
   std::signal(SIGINT, old_int);
 }
 
-Result<RunReport> RunJob(const RunOptions& o) {
+Result<RunReport> RunJob(const RunOptions& o, const std::function<void(const RunReport&)>& finished) {
   QKV_RETURN_IF_ERROR(CheckRunOptions(o));
   RunReport r;
   r.options = o;
@@ -690,6 +690,7 @@ Result<RunReport> RunJob(const RunOptions& o) {
   if (server && o.metrics_linger_ms > 0) LingerForScrapes(o.metrics_linger_ms);
   for (SeqId id : batch.ids) QKV_RETURN_IF_ERROR(rt->Free(id));
   if (rt->live_pages() != 0) return Status::Internal(std::to_string(rt->live_pages()) + " pages leaked");
+  if (finished) finished(r);
   return r;
 }
 

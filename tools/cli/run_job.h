@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -143,7 +144,11 @@ inline int64_t DecodeTokens(const RunOptions& o) { return o.decode_steps * (o.dr
 // the options cannot run (RunJob checks them first).
 Status CheckRunOptions(const RunOptions& options);
 
-Result<RunReport> RunJob(const RunOptions& options);
+// `finished`, when given, gets the report as soon as it is complete, before
+// the runtime is torn down (at 1M tokens, unpinning the host tier and closing
+// the disk tier take long enough that a time limit can fall in between).
+Result<RunReport> RunJob(const RunOptions& options,
+                         const std::function<void(const RunReport&)>& finished = nullptr);
 
 // Human-readable report and the one-object JSON report.
 std::string FormatReport(const RunReport& r);
