@@ -110,8 +110,9 @@ class CpuBackend final : public DataPlane {
   // group of n * G query heads per KV head.
   Status SelectShared(const Step& s, int b, int n, PageSelection* out, PageSelection* next, int next_pages,
                       int64_t* boxes_rebuilt);
-  // Whether the selection of a list of n pages at `layer` ranks them.
-  bool Scores(int layer, int n) const {
+  // Whether a selection of n pages at `layer` takes group boxes: the
+  // hierarchical scan is on and the selection ranks the pages.
+  bool TakesGroupBoxes(int layer, int n) const {
     return c_.policy.group_pages > 0 && !c_.policy.is_dense(layer) && c_.policy.page_budget(layer, g_.page_size) < n;
   }
   // The re-rank's exact scores (SelectInput::exact_scores) for row b of the
@@ -441,7 +442,7 @@ Status CpuBackend::Decode(const Step& s) {
       in.num_pages = num_pages;
       in.layer = s.layer;
       if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, g_.group(), b);
-      if (Scores(s.layer, num_pages)) in.group_slab = GroupSlab(parts_[b], page_ids, num_pages, &boxes_rebuilt);
+      if (TakesGroupBoxes(s.layer, num_pages)) in.group_slab = GroupSlab(parts_[b], page_ids, num_pages, &boxes_rebuilt);
       QKV_RETURN_IF_ERROR(selector_.Select(in, &sel, &next_, prefetch));
       boxes_read = selector_.boxes_read();
       if (stats) CountAdaptive(selector_, stats);
@@ -517,7 +518,8 @@ Status CpuBackend::SelectShared(const Step& s, int b, int n, PageSelection* out,
   in.num_pages = csr_.num_pages(b + n - 1);
   in.layer = s.layer;
   if (c_.policy.rerank > 0) in.exact_scores = ExactScorer(in.q, n * G, b + n - 1);
-  if (Scores(s.layer, in.num_pages)) in.group_slab = GroupSlab(parts_[b + n - 1], in.page_ids, in.num_pages, boxes_rebuilt);
+  if (TakesGroupBoxes(s.layer, in.num_pages))
+    in.group_slab = GroupSlab(parts_[b + n - 1], in.page_ids, in.num_pages, boxes_rebuilt);
   return it->second.Select(in, out, next, next_pages);
 }
 

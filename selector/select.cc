@@ -66,7 +66,6 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
   const bool rerank = p_.rerank > 0 && in.exact_scores;
   if (grouped) {
     scores_.assign(std::size_t(g_.q_heads) * n, -std::numeric_limits<float>::infinity());
-    boxes_read_ = 0;
   } else {
     ScoreAll(in);
     boxes_read_ = int64_t(n) * g_.kv_heads;

@@ -71,6 +71,13 @@ std::vector<float> GroupBoxes(const Pages& p, int B) {
   return out;
 }
 
+Geometry Geo(int q_heads, bool e4m3) {
+  Geometry g;
+  g.layers = 1, g.q_heads = q_heads, g.kv_heads = kHkv, g.head_dim = kD, g.page_size = 16;
+  g.summary_dtype = e4m3 ? SummaryDType::kE4M3 : SummaryDType::kKv;
+  return g;
+}
+
 struct Outcome {
   PageSelection sel;
   std::vector<float> scores;
@@ -102,9 +109,7 @@ TEST(HierarchicalScan, SelectsExactlyWhatTheFlatScanSelects) {
         for (int trial = 0; trial < 12; ++trial) {
           const uint64_t seed = 1000 * B + 10 * trial + int(gqa) + (e4m3 ? 7 : 0);
           std::mt19937_64 rng(seed);
-          Geometry g;
-          g.layers = 1, g.q_heads = 8, g.kv_heads = kHkv, g.head_dim = kD, g.page_size = 16;
-          g.summary_dtype = e4m3 ? SummaryDType::kE4M3 : SummaryDType::kKv;
+          const Geometry g = Geo(8, e4m3);
           SelectionPolicy pol;
           pol.dense_layers = {};
           pol.gqa = gqa;
@@ -136,8 +141,7 @@ TEST(HierarchicalScan, SelectsExactlyWhatTheFlatScanSelects) {
 // A group whose bound equals the K-th score found so far may hold a page
 // that ties it at a lower index, which the flat scan prefers: it is read.
 TEST(HierarchicalScan, AGroupBoundEqualToTheKthScoreIsRead) {
-  Geometry g;
-  g.layers = 1, g.q_heads = 2, g.kv_heads = kHkv, g.head_dim = kD, g.page_size = 16;
+  const Geometry g = Geo(2, false);
   SelectionPolicy pol;
   pol.dense_layers = {};
   pol.sink_pages = 0, pol.local_pages = 1;
@@ -163,9 +167,7 @@ TEST(HierarchicalScan, AGroupBoundEqualToTheKthScoreIsRead) {
 TEST(HierarchicalScan, ReadsFewBoxesWhereKeysAreLocal) {
   for (bool e4m3 : {false, true})
     for (GqaMode gqa : {GqaMode::kMax, GqaMode::kMean, GqaMode::kUnion}) {
-      Geometry g;
-      g.layers = 1, g.q_heads = 4, g.kv_heads = kHkv, g.head_dim = kD, g.page_size = 16;
-      g.summary_dtype = e4m3 ? SummaryDType::kE4M3 : SummaryDType::kKv;
+      const Geometry g = Geo(4, e4m3);
       SelectionPolicy pol;
       pol.dense_layers = {};
       pol.gqa = gqa;
