@@ -162,6 +162,10 @@ struct SelectParams {
 // arithmetic and summation order), aggregate, top-K with ties toward the
 // lower page index, plus sink and local pages; rows ascending.
 cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream);
+// Whether LaunchSelect takes the one-launch fused path (few short kMax/kMean
+// rows, G <= 4): it scores in shared memory and leaves no scores in the
+// workspace.
+bool SelectIsFused(const SelectPlan& plan, const SelectParams& p);
 
 // ---- sparse paged decode attention ---------------------------------------------
 

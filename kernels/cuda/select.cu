@@ -107,16 +107,20 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
   return true;
 }
 
+bool SelectIsFused(const SelectPlan& plan, const SelectParams& p) {
+  const SelectShape& s = p.shape;
+  const int rows = s.batch * s.kv_heads;
+  return !s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 &&
+         (p.q_dtype == p.summary_dtype || p.summary_dtype == DType::kE4M3) &&
+         plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
+         (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
+         rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm);  // one wave: a cluster block per SM
+}
+
 cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  if (!s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 &&
-      (p.q_dtype == p.summary_dtype || p.summary_dtype == DType::kE4M3) &&
-      plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
-      (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
-      rows * kFuseBlocks <= std::max(1, plan.score_blocks / kScoreBlocksPerSm)) {  // one wave: a cluster block per SM
-    return LaunchFusedSelect(plan, p, stream);
-  }
+  if (SelectIsFused(plan, p)) return LaunchFusedSelect(plan, p, stream);
   float* scores = static_cast<float*>(p.workspace);
   uint8_t* marks = nullptr;
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;

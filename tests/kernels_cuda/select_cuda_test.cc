@@ -223,18 +223,20 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   const auto got_pages = Download<int32_t>(d_pages, nnz);
   const auto got_slots = Download<int32_t>(d_slots, nnz);
   const auto got_count = Download<int32_t>(d_count, rows);
-  // E4M3 never takes the fused select (its q and summary dtypes differ), so
-  // the score kernels' scores are at the workspace's start (select.cu):
-  // sequence b's [H][A][n] from indptr[b] * H * A.
+  // Unless the fused select ran (it scores in shared memory), the score
+  // kernels' scores are at the workspace's start (select.cu): sequence b's
+  // [H][A][n] from indptr[b] * H * A. The runs with a small key cache take
+  // the score kernels, so every E4M3 case compares its scores there.
   const int A = c.gqa == GqaMode::kUnion ? G : 1;
-  const auto got_scores = e4m3 ? Download<float>(d_ws, std::size_t(pages) * H * A) : std::vector<float>();
+  const bool scores_kept = e4m3 && !SelectIsFused(plan, p);
+  const auto got_scores = scores_kept ? Download<float>(d_ws, std::size_t(pages) * H * A) : std::vector<float>();
 
   double worst_jaccard = 1.0;
   std::vector<float> want_scores;
   for (int b = 0; b < B; ++b) {
     const auto want = CpuSelect(s, q.data() + std::size_t(b) * H * G * D, slab.data(), ids.data() + indptr[b],
                                 counts[b], e4m3, &want_scores);
-    if (e4m3) {
+    if (scores_kept) {
       const float* got = got_scores.data() + std::size_t(indptr[b]) * H * A;
       for (std::size_t i = 0; i < want_scores.size(); ++i) {
         const bool same =
