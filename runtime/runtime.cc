@@ -508,8 +508,6 @@ Status Runtime::DecodeBlock(std::span<const SeqId> seqs, std::span<const int> bl
       return Status::OutOfRange("block of " + std::to_string(block[b]) + " tokens for " + SeqName(seqs[b]) +
                                 ", which holds " + std::to_string(I.lists[b]->tokens) + " in layer " +
                                 std::to_string(layer));
-    if (block[b] > 1 && I.backend->on_device())
-      return Status::Unimplemented("the CUDA backend decodes blocks of one token per sequence");
     rows += std::size_t(block[b]);
   }
   I.block_views.resize(rows);

@@ -120,7 +120,7 @@ qkv_status qkv_sequence_length(qkv_runtime* rt, uint64_t seq, int layer, int64_t
 qkv_status qkv_append(qkv_runtime* rt, uint64_t seq, int layer, const float* k, const float* v, int64_t n);
 /* Draft tokens: appended like qkv_append, but the pages they fill stay off
    the host and disk until qkv_sequence_accept keeps the drafts that
-   qkv_sequence_rollback left (Runtime::AppendDraft; CPU backend). */
+   qkv_sequence_rollback left (Runtime::AppendDraft). */
 qkv_status qkv_append_draft(qkv_runtime* rt, uint64_t seq, int layer, const float* k, const float* v, int64_t n);
 qkv_status qkv_sequence_accept(qkv_runtime* rt, uint64_t seq);
 /* Sparse (Quest) decode attention for a batch of sequences at one layer. */
@@ -131,7 +131,8 @@ qkv_status qkv_decode_attention(qkv_runtime* rt, const uint64_t* seqs, int batch
    block token, sequence by sequence ([sum(block)][q_heads][head_dim]); each
    position attends causally and, with QKV_BLOCK_PER_POSITION, selects its
    own pages, exactly as single-token calls made after each append would
-   (Runtime::DecodeBlock); QKV_BLOCK_SHARED selects once for the block.
+   (Runtime::DecodeBlock); QKV_BLOCK_SHARED selects once for the block (CPU
+   backend).
    Roll back the rejected tokens with qkv_sequence_rollback. */
 qkv_status qkv_decode_block(qkv_runtime* rt, const uint64_t* seqs, const int* block, int batch, int layer,
                             const float* q, float* out);

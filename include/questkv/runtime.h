@@ -71,7 +71,7 @@ class Runtime {
   // they fill stays in hbm, unsealed — it never reaches host or disk — until
   // Accept keeps the drafts that Rollback left. A rolled-back draft leaves no
   // trace in the tiers. Append refuses a layer holding drafts until then.
-  // CPU backend (the CUDA backend: Unimplemented).
+  // ResourceExhausted when hbm has no room to hold the pages they fill.
   Status AppendDraft(SeqId seq, int layer, const float* k, const float* v, int64_t n);
   // The sequence's remaining drafts become ordinary tokens: their full pages
   // are sealed to their homes.
@@ -96,8 +96,10 @@ class Runtime {
   // each selects its own pages, as a decode call made right after appending
   // up to that token would: the outputs equal those of sum(block)
   // single-token calls (under `strict`). Under kShared the block selects
-  // once (see BlockSelection). Rollback then drops the rejected tail. CPU
-  // backend; the CUDA backend takes blocks of 1.
+  // once (see BlockSelection; CPU backend). Rollback then drops the rejected
+  // tail. The CUDA backend runs a block's positions as consecutive steps
+  // (the i-th position of every sequence in the i-th): each position reads
+  // its own pages.
   Status DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q, float* out,
                      AttendStats* stats = nullptr);
 

@@ -58,20 +58,31 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
 
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                                int64_t step, bool hold) {
-  if (hold) return Status::Unimplemented("draft tokens held in hbm need the CPU backend");
   AppendPlan a;
-  a.k = k, a.v = v, a.host_f32 = host_f32;
+  a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
   a.old_tokens = list.tokens, a.end = list.tokens + n;
   a.old_pages = int64_t(list.pages.size());
   a.total_pages = (a.end + g_.page_size - 1) / g_.page_size;
   if (a.total_pages > INT32_MAX / 2) return Status::OutOfRange("sequence too long for one layer's page table");
+  if (hold) {
+    // Every page the drafts fill keeps Hkv slots until it is accepted or
+    // rolled back (an old tail that fills leaves its slots to it and takes
+    // fresh ones): all of them free before anything changes.
+    const int64_t filled = a.end / g_.page_size - a.old_tokens / g_.page_size;
+    const int64_t need = filled * g_.kv_heads;
+    QKV_RETURN_IF_ERROR(Reclaim(need, need, part));
+    if (int64_t(free_.size()) < need)
+      return Status::ResourceExhausted("hbm: " + std::to_string(filled) + " pages of draft tokens need " +
+                                       std::to_string(need) + " head-page slots, " + std::to_string(free_.size()) +
+                                       " free of " + std::to_string(slots_));
+  }
   QKV_RETURN_IF_ERROR(ReserveAppend(list, step, a));
   // Device work. The page mirror first.
   Partition& P = parts_[part];
   QKV_RETURN_IF_ERROR(GrowPages(P, a.total_pages));
   QKV_RETURN_IF_ERROR(Upload(P.pages.as<uint32_t>() + a.old_pages, a.fresh.data(), a.fresh.size() * 4));
   P.pages_len = a.total_pages;
-  QKV_RETURN_IF_ERROR(AppendToOldTail(P, a));
+  QKV_RETURN_IF_ERROR(AppendToOldTail(part, a));
   QKV_RETURN_IF_ERROR(AppendFreshPages(part, a));
   QKV_RETURN_IF_ERROR(FlushUpdates());
   QKV_RETURN_IF_ERROR(ExtendList(part, a.resident));
@@ -99,7 +110,7 @@ Status CudaBackendImpl::ReserveAppend(const PageList& list, int64_t step, Append
     }
     a.fresh.push_back(*id);
   }
-  for (int64_t p = a.old_tokens / S; p < a.end / S; ++p) {
+  for (int64_t p = a.old_tokens / S; p < a.end / S && !a.hold; ++p) {
     const PageId id = p < a.old_pages ? list.pages[p] : a.fresh[p - a.old_pages];
     auto home = mover_->SealBegin(id, ids_->generation(id), step);
     if (!home.ok()) {
@@ -150,7 +161,8 @@ Status CudaBackendImpl::AppendRows(const AppendPlan& a, int64_t t0, int64_t t1, 
 }
 
 // The old tail, in its tail slots, up to its page boundary.
-Status CudaBackendImpl::AppendToOldTail(Partition& P, AppendPlan& a) {
+Status CudaBackendImpl::AppendToOldTail(uint32_t part, AppendPlan& a) {
+  Partition& P = parts_[part];
   const int S = g_.page_size;
   a.t = a.old_tokens;
   if (a.old_tokens % S == 0) return Status::Ok();
@@ -159,6 +171,13 @@ Status CudaBackendImpl::AppendToOldTail(Partition& P, AppendPlan& a) {
   QKV_RETURN_IF_ERROR(AppendRows(a, a.t, t1, &kd, &vd));
   QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, a.total_pages, kd, vd));
   QKV_RETURN_IF_ERROR(SealThrough(P, a, t1 / S - 1, 0));
+  if (a.hold && t1 % S == 0) {  // the filled tail keeps its slots, held; the tail takes fresh ones
+    const PageId page = P.tail_page;
+    held_[page] = {part, std::move(P.tail)};
+    tail_owner_.erase(page);
+    P.tail_page = kNoPage;
+    P.tail = TakePinnedSlots(nullptr);
+  }
   a.t = t1;
   return Status::Ok();
 }
@@ -178,6 +197,8 @@ Status CudaBackendImpl::AppendFreshPages(uint32_t part, AppendPlan& a) {
       const bool partial_last = p == a.total_pages - 1 && a.end % S != 0;
       if (partial_last) {
         QKV_RETURN_IF_ERROR(AssignTail(part, id));
+      } else if (a.hold) {  // room checked by Append
+        held_[id] = {part, TakePinnedSlots(&id)};
       } else if (int64_t(free_.size()) >= H) {
         a.resident_at[id] = a.resident.size();
         for (int h = 0; h < H; ++h) {
@@ -199,11 +220,53 @@ Status CudaBackendImpl::AppendFreshPages(uint32_t part, AppendPlan& a) {
     QKV_RETURN_IF_ERROR(SealThrough(P, a, p1 - 1, p0));
     // Staged pages leave the staging slots (their homes hold them now).
     for (PageId id : chunk)
-      if (id != P.tail_page && !a.resident_at.count(id))
+      if (id != P.tail_page && !a.resident_at.count(id) && !held_.count(id))
         for (int h = 0; h < H; ++h) Set(hbm_cell(id, h), -1, kc::TableOp::kSet32);
     a.t = t1;
   }
   return Status::Ok();
+}
+
+std::vector<int32_t> CudaBackendImpl::TakePinnedSlots(const PageId* page) {
+  std::vector<int32_t> slots(free_.end() - g_.kv_heads, free_.end());
+  free_.resize(free_.size() - g_.kv_heads);
+  for (int h = 0; h < g_.kv_heads; ++h) {
+    Set(slot_pinned_.as<uint8_t>() + slots[h], 1, kc::TableOp::kSet8);
+    if (page) SetSlot(slots[h], *page, h);
+  }
+  slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  return slots;
+}
+
+// An accepted draft page: its bytes from its slots into a home, then the
+// slots join its partition's list as a cached page.
+Status CudaBackendImpl::SealHeld(PageId page) {
+  const auto it = held_.find(page);
+  if (it == held_.end()) return Status::Ok();
+  QKV_ASSIGN_OR_RETURN(void* home, mover_->SealBegin(page, ids_->generation(page), step_));
+  const int H = g_.kv_heads;
+  std::vector<kc::SealJob> jobs;
+  char* dst = static_cast<char*>(home_dev(home));
+  for (int h = 0; h < H; ++h)
+    jobs.push_back({slot_ptr(it->second.slots[h]), dst + std::size_t(h) * piece(), dst + std::size_t(H + h) * piece()});
+  QKV_RETURN_IF_ERROR(FlushUpdates());
+  auto* st = static_cast<kc::SealJob*>(StageAlloc(jobs.size() * sizeof(kc::SealJob)));
+  if (!st) {
+    mover_->Drop(page);
+    return Status::ResourceExhausted("pinned staging for seal jobs");
+  }
+  std::memcpy(st, jobs.data(), jobs.size() * sizeof(kc::SealJob));
+  if (const cudaError_t e = kc::LaunchSealCopy(static_cast<kc::SealJob*>(StageDev(st)), H, piece(), stream_);
+      e != cudaSuccess) {
+    mover_->Drop(page);
+    return CudaStatus("LaunchSealCopy", e);
+  }
+  QKV_RETURN_IF_ERROR(Sync());
+  mover_->SealEnd(page);
+  const Held held = std::move(it->second);
+  held_.erase(it);
+  for (int32_t s : held.slots) Set(slot_pinned_.as<uint8_t>() + s, 0, kc::TableOp::kSet8);
+  return ExtendList(held.part, held.slots);  // flushes first
 }
 
 // ---- fork, rollback, reads ----------------------------------------------------------
@@ -261,6 +324,14 @@ Status CudaBackendImpl::TailFromHost(uint32_t part, PageId dst, const void* page
 
 Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
   Partition& P = parts_[part];
+  if (const auto it = held_.find(tail); it != held_.end()) {  // a rollback into a held draft page: the new tail
+    if (P.tail_page != kNoPage) return Status::Internal("a held page is cut while its partition has a tail");
+    ReleaseSlots(P.tail);
+    P.tail = std::move(it->second.slots);
+    held_.erase(it);
+    P.tail_page = tail;
+    tail_owner_[tail] = part;
+  }
   assert(P.tail_page == tail);
   std::vector<char> k(std::size_t(g_.kv_heads) * piece());
   QKV_RETURN_IF_ERROR(FlushUpdates());
@@ -271,15 +342,18 @@ Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
   return Sync();
 }
 
-Status CudaBackendImpl::ReadTail(uint32_t part, PageId tail, void* dst) {
+Status CudaBackendImpl::ReadUnsealed(uint32_t part, PageId page, void* dst) {
   Partition& P = parts_[part];
-  if (P.tail_page != tail) return Status::Internal("page " + std::to_string(tail) + " is not the partition's tail");
+  const auto held = held_.find(page);
+  if (P.tail_page != page && held == held_.end())
+    return Status::Internal("page " + std::to_string(page) + " has no home and is not in the partition's slots");
+  const std::vector<int32_t>& slots = P.tail_page == page ? P.tail : held->second.slots;
   QKV_RETURN_IF_ERROR(FlushUpdates());
   char* out = static_cast<char*>(dst);
   const int H = g_.kv_heads;
   for (int h = 0; h < H; ++h) {
-    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(h) * piece(), slot_ptr(P.tail[h]), piece(), cudaMemcpyDeviceToHost, stream_));
-    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(H + h) * piece(), slot_ptr(P.tail[h]) + piece(), piece(),
+    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(h) * piece(), slot_ptr(slots[h]), piece(), cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemcpyAsync(out + std::size_t(H + h) * piece(), slot_ptr(slots[h]) + piece(), piece(),
                              cudaMemcpyDeviceToHost, stream_));
   }
   return Sync();

@@ -210,6 +210,10 @@ class CudaBackendImpl final : public DataPlane {
       parts_[it->second].tail_page = kNoPage;  // the id may come back as anyone's page
       tail_owner_.erase(it);
     }
+    if (auto it = held_.find(page); it != held_.end()) {  // a rolled-back draft page: its slots go free
+      ReleaseSlots(it->second.slots);
+      held_.erase(it);
+    }
   }
   void SetHome(PageId page, const void* home) override {
     const void* dev = home ? host_dev_ + (static_cast<const char*>(home) - host_base_) : nullptr;
@@ -218,17 +222,20 @@ class CudaBackendImpl final : public DataPlane {
   Status SetPages(uint32_t part, std::span<const PageId> pages) override;
   Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                 int64_t step, bool hold) override;
-  Status SealHeld(PageId) override { return Status::Ok(); }  // Append never holds
+  void BeginStep(int64_t step) override { step_ = step; }
+  Status SealHeld(PageId page) override;
   Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) override;
   Status TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) override;
   Status TruncateTail(uint32_t part, PageId tail, int len) override;
   Status ReadPage(uint32_t part, PageId page, void* dst, int64_t step) override {
-    if (!mover_->sealed(page)) return ReadTail(part, page, dst);
+    if (!mover_->sealed(page)) return ReadUnsealed(part, page, dst);
     return mover_->ReadPage(page, ids_->generation(page), dst, step);
   }
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
   std::size_t summary_elem_bytes() const override { return g_.summary_elem_bytes(); }
   Status DecodeStep(const Step& s) override;
+  // A step whose rows repeat partitions, as steps of distinct ones.
+  Status DecodeInWaves(const Step& st, const std::vector<std::vector<int>>& waves);
   bool on_device() const override { return true; }
   Status Synchronize() override {
     QKV_RETURN_IF_ERROR(Sync());
@@ -325,7 +332,8 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t ReadsQueued() const { return reads_done_ < reads_queued_ ? reads_queued_ : 0; }
   Result<uint64_t> ReadsDone(bool wait);
   Status TicketCall();
-  Status ReadTail(uint32_t part, PageId tail, void* dst);
+  // A page with no home yet (the tail, or a held draft page) from its slots.
+  Status ReadUnsealed(uint32_t part, PageId page, void* dst);
   struct Partition {
     bool live = false;
     std::vector<int32_t> tail;       // [Hkv] pinned slots of the page being filled
@@ -385,6 +393,13 @@ class CudaBackendImpl final : public DataPlane {
     return std::max(P.last_need, std::min(4 * P.last_need, share));
   }
   Status ExtendList(uint32_t part, const std::vector<int32_t>& slots);
+  // Slots of no page and no list: released on the device, free again.
+  void ReleaseSlots(const std::vector<int32_t>& slots) {
+    for (int32_t s : slots) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+    free_.insert(free_.end(), slots.begin(), slots.end());
+  }
+  // Hkv free slots, pinned, for `page` (nullptr: no page yet).
+  std::vector<int32_t> TakePinnedSlots(const PageId* page);
   Status AssignTail(uint32_t part, PageId page);
   Status RebuildSummary(const void* k_heads_host, PageId page, int len);
   Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
@@ -400,6 +415,7 @@ class CudaBackendImpl final : public DataPlane {
     const void* k = nullptr;
     const void* v = nullptr;
     bool host_f32 = true;
+    bool hold = false;                // draft tokens: filled pages stay in hbm, unsealed (held_)
     int64_t old_tokens = 0, end = 0, old_pages = 0, total_pages = 0;
     int64_t t = 0;                    // next token to write
     std::vector<PageId> fresh;        // ids of the pages this call adds
@@ -411,7 +427,7 @@ class CudaBackendImpl final : public DataPlane {
   Status ReserveAppend(const PageList& list, int64_t step, AppendPlan& a);
   Status SealThrough(const Partition& P, AppendPlan& a, int64_t last_logical, int64_t first_staged);
   Status AppendRows(const AppendPlan& a, int64_t t0, int64_t t1, const void** kd, const void** vd);
-  Status AppendToOldTail(Partition& P, AppendPlan& a);
+  Status AppendToOldTail(uint32_t part, AppendPlan& a);
   Status AppendFreshPages(uint32_t part, AppendPlan& a);
 
   Config c_;
@@ -500,6 +516,14 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t graphs_epoch_ = 0;
   int64_t graphs_captured_ = 0;
   std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
+  // Full pages of draft tokens (Append with hold), until SealHeld or their
+  // death: pinned slots in no list, no home.
+  struct Held {
+    uint32_t part;
+    std::vector<int32_t> slots;  // [Hkv]
+  };
+  std::unordered_map<PageId, Held> held_;
+  int64_t step_ = 0;  // the current decode call's (BeginStep)
   std::vector<kc::TableUpdate> clears_, sets_;
   std::unordered_map<const void*, std::size_t> set_index_;
 };

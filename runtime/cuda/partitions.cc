@@ -36,6 +36,14 @@ void CudaBackendImpl::RemovePartition(uint32_t part) {
   Partition& P = parts_[part];
   for (int32_t s : P.tail) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
   for (int32_t s : P.owned) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->second.part != part) {
+      ++it;
+      continue;
+    }
+    ReleaseSlots(it->second.slots);
+    it = held_.erase(it);
+  }
   // A set still queued for these slots (e.g. the pinned flag) must not land after the release.
   (void)FlushUpdates();
   (void)Sync();

@@ -7,10 +7,20 @@ namespace questkv::cuda_backend {
 // ---- the decode step ---------------------------------------------------------------
 
 Status CudaBackendImpl::DecodeStep(const Step& st) {
-  for (std::size_t i = 0; i < st.partitions.size(); ++i)
-    for (std::size_t j = 0; j < i; ++j)
-      if (st.partitions[i] == st.partitions[j])
-        return Status::InvalidArgument("the CUDA backend needs distinct sequences in a batch");
+  if (!st.shared_blocks.empty())
+    return Status::Unimplemented("the CUDA backend selects each row on its own: shared block selection needs "
+                                 "the CPU backend");
+  // Rows of one partition (a block's positions: causal views of one list)
+  // go in waves, the i-th row of each partition in the i-th: a step's
+  // resolve keeps one slot list per partition.
+  std::vector<std::vector<int>> waves;
+  for (std::size_t i = 0; i < st.partitions.size(); ++i) {
+    std::size_t w = 0;
+    for (std::size_t j = 0; j < i; ++j) w += st.partitions[j] == st.partitions[i];
+    if (w == waves.size()) waves.emplace_back();
+    waves[w].push_back(int(i));
+  }
+  if (waves.size() > 1) return DecodeInWaves(st, waves);
   if (st.dense && c_.cold_miss != ColdMissPolicy::kStrict && mover_->has_disk())
     return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
   StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections};
@@ -35,6 +45,39 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   }
   // Whole head-pages (a tail is counted whole): what the kernel reads.
   stats->kv_bytes_read += selected * int64_t(2 * piece());
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::DecodeInWaves(const Step& st, const std::vector<std::vector<int>>& waves) {
+  if (!st.host_f32) return Status::InvalidArgument("rows of one sequence in a batch need host q and out");
+  const std::size_t row = std::size_t(g_.q_heads) * g_.head_dim;
+  const float* q = static_cast<const float*>(st.q);
+  float* out = static_cast<float*>(st.out);
+  if (st.selections) st.selections->resize(st.partitions.size());
+  std::vector<uint32_t> parts;
+  std::vector<const PageList*> lists;
+  std::vector<float> wq, wout;
+  std::vector<PageSelection> wsel;
+  for (const std::vector<int>& wave : waves) {
+    parts.clear(), lists.clear();
+    wq.resize(wave.size() * row), wout.resize(wave.size() * row);
+    for (std::size_t j = 0; j < wave.size(); ++j) {
+      parts.push_back(st.partitions[wave[j]]);
+      lists.push_back(st.lists[wave[j]]);
+      std::copy_n(q + wave[j] * row, row, wq.data() + j * row);
+    }
+    Step w = st;
+    w.partitions = parts;
+    w.lists = lists;
+    w.q = wq.data();
+    w.out = wout.data();
+    w.selections = st.selections ? &wsel : nullptr;
+    QKV_RETURN_IF_ERROR(DecodeStep(w));
+    for (std::size_t j = 0; j < wave.size(); ++j) {
+      std::copy_n(wout.data() + j * row, row, out + wave[j] * row);
+      if (st.selections) (*st.selections)[wave[j]] = std::move(wsel[j]);
+    }
+  }
   return Status::Ok();
 }
 

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -375,6 +376,113 @@ TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
   }
 }
 
+// Speculative decoding on the GPU: blocks of drafts (AppendDraft) verified
+// by one DecodeBlock call, a random prefix accepted and the rest rolled
+// back, against the CPU backend doing the same. Blocks are ragged across the
+// batch and cross page boundaries; some fill whole pages that are then
+// rejected (their slots go free), some rollbacks end inside a held page. A
+// draft page reaches the host only once accepted. Then both runtimes hold
+// the same tokens, decode alike one token at a time, and one HBM small
+// enough to evict gives the same bits as one holding everything.
+TEST(CudaSequences, DraftBlocksMatchCpu) {
+  for (const SummaryDType sum : {SummaryDType::kKv, SummaryDType::kE4M3}) {
+    SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
+    const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5, sum};
+    const Config all = MakeConfig(Backend::kCuda, c);
+    Config small = all;
+    small.hbm_bytes = 480 * std::size_t(2 * 16 * 64 * 4);  // staging 128, tails 18, held <= 54, lists: evicts
+    QKV_CREATE_CUDA(gpu, all);
+    QKV_CREATE_CUDA(tight, small);
+    auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+    ASSERT_TRUE(cpu.ok());
+    Runtime* rts[3] = {cpu->get(), gpu.get(), tight.get()};
+    const Geometry& g = all.geometry;
+    Twins tw({rts[0], rts[1], rts[2]}, g, c.dtype);
+    const std::vector<std::vector<SeqId>> seqs = {tw.NewSeq(), tw.NewSeq(), tw.NewSeq()};
+    tw.Append(seqs[0], 1000, 64);
+    tw.Append(seqs[1], 40, 40);
+    tw.Append(seqs[2], 1, 1);
+    const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qrow = std::size_t(g.q_heads) * g.head_dim;
+    const int64_t page_bytes = int64_t(g.page_bytes());
+    std::mt19937 rng(5);
+    int64_t rejected_full_pages = 0;
+    for (int step = 0; step < 8; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      std::vector<int> blocks;
+      int rows = 0;
+      for (std::size_t b = 0; b < seqs.size(); ++b) blocks.push_back(step == 2 ? 33 : 1 + int(rng() % 20)), rows += blocks.back();
+      std::vector<int64_t> before(seqs.size()), sealed_before(3);
+      for (std::size_t b = 0; b < seqs.size(); ++b) before[b] = *rts[0]->Length(seqs[b][0], 0);
+      for (int i = 0; i < 3; ++i) sealed_before[i] = rts[i]->tier_stats().bytes_hbm_to_host;
+      for (int l = 0; l < g.layers; ++l) {
+        const auto k = test::RandomNormal(std::size_t(rows) * row, 1000 * step + 10 * l);
+        const auto v = test::RandomNormal(std::size_t(rows) * row, 1000 * step + 10 * l + 1);
+        const auto q = test::RandomNormal(std::size_t(rows) * qrow, 1000 * step + 10 * l + 2);
+        std::vector<std::vector<float>> outs(3, std::vector<float>(q.size(), -1.f));
+        for (int i = 0; i < 3; ++i) {
+          std::vector<SeqId> ids;
+          int r = 0;
+          for (std::size_t b = 0; b < seqs.size(); ++b) {
+            ids.push_back(seqs[b][i]);
+            const Status st = rts[i]->AppendDraft(seqs[b][i], l, k.data() + r * row, v.data() + r * row, blocks[b]);
+            ASSERT_TRUE(st.ok()) << "runtime " << i << ": " << st.ToString();
+            r += blocks[b];
+          }
+          const Status st = rts[i]->DecodeBlock(ids, blocks, l, q.data(), outs[i].data());
+          ASSERT_TRUE(st.ok()) << "runtime " << i << ": " << st.ToString();
+        }
+        EXPECT_LE(test::RelL2Error(outs[1].data(), outs[0].data(), q.size()), c.tol) << "layer " << l;
+        EXPECT_EQ(outs[2], outs[1]) << "layer " << l << ": a small HBM changed the outputs";
+      }
+      for (int i = 0; i < 3; ++i)
+        EXPECT_EQ(rts[i]->tier_stats().bytes_hbm_to_host, sealed_before[i]) << "runtime " << i << " sealed a draft";
+      std::vector<int64_t> after(seqs.size());
+      for (std::size_t b = 0; b < seqs.size(); ++b) {
+        const int reject = step == 2 ? 17 + int(b) : int(rng() % (blocks[b] + 1));
+        const int64_t end = before[b] + blocks[b];
+        rejected_full_pages += end / g.page_size - (end - reject) / g.page_size;
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_TRUE(rts[i]->Rollback(seqs[b][i], reject).ok());
+          ASSERT_TRUE(rts[i]->Accept(seqs[b][i]).ok());
+        }
+        after[b] = end - reject;
+      }
+      int64_t accepted_pages = 0;
+      for (std::size_t b = 0; b < seqs.size(); ++b) accepted_pages += after[b] / g.page_size - before[b] / g.page_size;
+      for (int i = 0; i < 3; ++i)
+        EXPECT_EQ(rts[i]->tier_stats().bytes_hbm_to_host - sealed_before[i], accepted_pages * g.layers * page_bytes)
+            << "runtime " << i;
+      for (int l = 0; l < g.layers; ++l) tw.Decode(seqs, l, c.tol);
+    }
+    EXPECT_GT(rejected_full_pages, 0) << "no rejected draft filled a page: the test shows little";
+    EXPECT_GT(tight->tier_stats().hbm_evictions, 0) << "the small HBM never evicted: the test shows little";
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      for (int l = 0; l < g.layers; ++l) {
+        const auto x = rts[0]->Gather(seqs[b][0], l), y = rts[1]->Gather(seqs[b][1], l), z = rts[2]->Gather(seqs[b][2], l);
+        ASSERT_TRUE(x.ok() && y.ok() && z.ok());
+        EXPECT_EQ(x->k, y->k);
+        EXPECT_EQ(x->v, y->v);
+        EXPECT_EQ(y->k, z->k);
+        EXPECT_EQ(y->v, z->v);
+      }
+    for (int i = 0; i < 3; ++i) {
+      for (const auto& s : seqs) ASSERT_TRUE(rts[i]->Free(s[i]).ok());
+      EXPECT_EQ(rts[i]->live_pages(), 0u);
+    }
+  }
+}
+
+// Shared block selection is a CPU-backend mode: the CUDA backend refuses it
+// at creation rather than selecting per position silently.
+TEST(CudaSequences, SharedBlockSelectionIsRefused) {
+  Config cfg = MakeConfig(Backend::kCuda, Case{DType::kF16, GqaMode::kMax, 8, 2, 0});
+  cfg.policy.block_selection = BlockSelection::kShared;
+  const auto rt = Runtime::Create(cfg);
+  if (!rt.ok() && rt.status().code() == Code::kFailedPrecondition) GTEST_SKIP() << rt.status().ToString();
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), Code::kUnimplemented) << rt.status().ToString();
+}
+
 // Device pointers in the model dtype give the same bits as the host API.
 TEST(CudaApi, DevicePointersMatchHostApi) {
   const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
@@ -647,8 +755,17 @@ TEST(CudaErrors, BadInputLeavesTheRuntimeConsistent) {
   tw.Append(longer, 16 * 300, 1000);
   tw.Append(shorter, 100, 100);
   std::vector<float> q(2 * 8 * 64, 0.5f), out(q.size());
-  const SeqId dup[2] = {shorter[0], shorter[0]};
-  EXPECT_EQ(rt->DecodeAttention(dup, 1, q.data(), out.data()).code(), Code::kInvalidArgument);
+  // A sequence twice in a batch: its two rows, each as a call of its own gives.
+  {
+    const SeqId dup[2] = {shorter[0], shorter[0]};
+    const auto q2 = test::RandomNormal(q.size(), 77);
+    std::vector<float> both(q.size()), alone(q.size() / 2);
+    ASSERT_TRUE(rt->DecodeAttention(dup, 1, q2.data(), both.data()).ok());
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(rt->DecodeAttention(std::span<const SeqId>(dup, 1), 1, q2.data() + r * alone.size(), alone.data()).ok());
+      EXPECT_EQ(std::memcmp(alone.data(), both.data() + r * alone.size(), alone.size() * sizeof(float)), 0) << "row " << r;
+    }
+  }
   const SeqId one[1] = {longer[0]};
   EXPECT_EQ(rt->DecodeAttention(one, 0, q.data(), out.data()).code(), Code::kResourceExhausted);  // dense layer
   const SeqId unknown[1] = {999};

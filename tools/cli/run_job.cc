@@ -617,9 +617,6 @@ Status CheckRunOptions(const RunOptions& o) {
                                    std::to_string(7 * int64_t(o.batch - 1) + 1) + " or more (sequence b holds " +
                                    "--context - 7b tokens), not " + std::to_string(o.context_tokens));
   if (o.top_r < 1) return Status::InvalidArgument("--top-r must be >= 1");
-  if (o.draft > 1 && o.config.backend != Backend::kCpu)
-    return Status::InvalidArgument("--draft " + std::to_string(o.draft) +
-                                   " needs --backend cpu (the CUDA backend verifies blocks of one token)");
   for (int layer : o.recall_layers) {
     if (layer < 0 || layer >= o.config.geometry.layers)
       return Status::InvalidArgument("--recall-layers: " + std::to_string(layer) + " is not a layer (0.." +
