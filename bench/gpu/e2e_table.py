@@ -56,6 +56,33 @@ def main():
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)] if rows else [len(h) for h in hdr]
     for row in (hdr, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    speculative(runs)
+
+
+def speculative(runs):
+    """Speculative runs (draft-CTX-N): accepted tokens per second against
+    draft-CTX-0, one token a step through the same host API."""
+    spec = {n: r for n, r in runs.items() if n.startswith("draft-")}
+    if not spec:
+        return
+    hdr = ("run", "ctx", "step ms", "accepted/drafted", "tokens/s", "vs one a step", "head-pages/token", "digest")
+    rows = []
+    for name, r in spec.items():
+        s = r.get("speculative")
+        p50 = r["step_latency_us"]["p50"]
+        rate = s["tokens_per_s"] if s else 1e6 / max(1e-9, p50)
+        tokens = s["accepted"] if s else max(1, r["decode_steps"])
+        base = spec.get(name.rsplit("-", 1)[0] + "-0")
+        vs = ""
+        if base is not None:
+            vs = "%.2fx" % (rate / (1e6 / max(1e-9, base["step_latency_us"]["p50"])))
+        rows.append((name, "%dK" % (r["context_tokens"] // 1024), "%.2f" % (p50 / 1e3),
+                     "%d/%d" % (s["accepted"], s["drafted"]) if s else "-", "%.1f" % rate, vs,
+                     "%.0f" % (r["head_pages_selected"] / max(1, tokens)), r["output_digest"][:8]))
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
+    print()
+    for row in (hdr, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
 
 
 if __name__ == "__main__":
