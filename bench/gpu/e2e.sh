@@ -16,6 +16,8 @@
 #            (--summary-dtype e4m3): the select scans half the bytes; recall sampled on l3-all-e4m3
 #   l3-all-s8-e4m3, l3-all-s8   l3-all with 8-token pages (sink and local windows of the same tokens),
 #            E4M3 or f16 summaries: E4M3 at S = 8 reads f16's summary bytes at S = 16; recall sampled
+#   l3-all-rrC, l3-all-s8-e4m3-rrC   l3-all and l3-all-s8-e4m3 with the two-stage re-rank, C times the
+#            budget's pages as candidates (--rerank C); recall sampled
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            $HOST_1M (80G) pinned host, the rest on disk ($DISK_1M, 56G: the device has ~60 GB free) under $DISK;
@@ -63,6 +65,9 @@ for run in $RUNS; do
     l3-all-e4m3) one l3-all-e4m3 $L3 --summary-dtype e4m3 --recall-every 32 ;;
     l3-all-s8-e4m3) one l3-all-s8-e4m3 $L3 --page-size 8 --sink-pages 2 --local-pages 16 --summary-dtype e4m3 --recall-every 32 ;;
     l3-all-s8) one l3-all-s8 $L3 --page-size 8 --sink-pages 2 --local-pages 16 --recall-every 32 ;;
+    l3-all-rr*) one $run $L3 --rerank ${run#l3-all-rr} --recall-every 32 ;;
+    l3-all-s8-e4m3-rr*) one $run $L3 --page-size 8 --sink-pages 2 --local-pages 16 --summary-dtype e4m3 \
+      --rerank ${run#l3-all-s8-e4m3-rr} --recall-every 32 ;;
     l3-2g-e4m3) one l3-2g-e4m3 $L3 --summary-dtype e4m3 --hbm-bytes 2G --recall-every 0 ;;
     l2-all-e4m3) one l2-all-e4m3 --preset llama2-7b --context 131072 --steps $STEPS --summary-dtype e4m3 --recall-every 0 ;;
     l3g-all) one l3g-all $L3 --workload gaussian --recall-every 0 ;;

@@ -94,8 +94,9 @@ struct SelectionPolicy {
   // Two-stage re-rank (0: off, plain Quest): the top ceil(rerank * K) pages
   // by the bound are candidates, each ranked again by its exact maximum
   // logit (max over its keys of q·k, aggregated over the group as `gqa`
-  // says: max or mean), and the best K kept. Reads the candidates' keys.
-  // >= 1; needs gqa max or mean.
+  // says: max or mean), and the best K kept. Reads the candidates' keys
+  // (the CUDA backend from HBM or the host home; a candidate on disk keeps
+  // its bound there). >= 1; needs gqa max or mean.
   double rerank = 0;
   // Exact hierarchical scan (0: off, the flat scan): a box over each run of
   // `group_pages` consecutive pages bounds every page score inside it, so the

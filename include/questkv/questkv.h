@@ -83,7 +83,7 @@ typedef struct {
   int cuda_graphs;
   qkv_block_selection block_selection;
   /* two-stage re-rank: 0 off (plain Quest), else >= 1: the top ceil(rerank * K)
-     pages by the bound ranked again by their exact max logit (CPU backend) */
+     pages by the bound ranked again by their exact max logit */
   double rerank;
   /* exact hierarchical scan: 0 off (flat scan), else >= 2 pages per group box
      (CPU backend; the same selections, fewer summary bytes where groups fall

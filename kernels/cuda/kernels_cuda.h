@@ -167,6 +167,39 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
 // workspace.
 bool SelectIsFused(const SelectPlan& plan, const SelectParams& p);
 
+// ---- two-stage re-rank (SelectionPolicy::rerank) ------------------------------------
+
+// The shape of the select whose rows are a re-rank's candidates: the budget
+// widened to the sink and local pages plus ceil(rerank * k) others, k the
+// shape's budget less its sink and local pages (rerank >= 1; kMax or kMean,
+// sparse layers).
+SelectShape RerankShape(const SelectShape& s, double rerank);
+
+struct RerankParams {
+  SelectShape shape;                    // the layer's (not widened)
+  DType kv_dtype = DType::kF16;         // of q and of the keys
+  DType summary_dtype = DType::kF16;    // the model dtype or e4m3
+  const void* q = nullptr;              // [batch][Hq][D]
+  const void* summaries = nullptr;      // [PageId][Hkv][2][D]
+  const int32_t* page_indptr = nullptr; // [batch + 1]
+  const uint32_t* page_ids = nullptr;   // [page_indptr[batch]]
+  const int32_t* last_len = nullptr;    // [batch] valid tokens of each sequence's last page
+  const int32_t* hbm_slot = nullptr;    // [PageId][Hkv] slot or -1
+  const void* slots = nullptr;          // slot s's K at slots + s * 2 * S * D * sizeof(dtype)
+  const void* const* host_addr = nullptr;  // [PageId] device address of its host home, or null
+  const int32_t* cand_indptr = nullptr;    // the widened select's output CSR
+  const int32_t* cand_pages = nullptr;
+  const int32_t* cand_count = nullptr;
+  int max_listed = 0;                      // longest row of cand_indptr (<= 16384)
+  const int32_t* out_indptr = nullptr;     // PlanSelect's for `shape`
+  int32_t* out_pages = nullptr;            // ascending, as LaunchSelect writes them
+  int32_t* out_count = nullptr;
+};
+// Each row: its sink and local pages and the best k of its candidates by
+// exact score (the CPU backend's: group max or mean of each page's largest
+// logit, keys from HBM or the host home; a page on disk keeps its bound).
+cudaError_t LaunchRerank(const RerankParams& p, cudaStream_t stream);
+
 // ---- sparse paged decode attention ---------------------------------------------
 
 struct AttendShape {

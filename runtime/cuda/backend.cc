@@ -15,10 +15,10 @@ Status CudaBackendImpl::Init() {
   const int G = g_.group();
   if (G != 1 && G != 2 && G != 4 && G != 8)
     return Status::InvalidArgument("the CUDA backend supports GQA groups 1, 2, 4, 8, not " + std::to_string(G));
-  if (c_.policy.rerank != 0 || c_.policy.group_pages != 0 || c_.policy.unread_bound_mass != 0)
+  if (c_.policy.group_pages != 0 || c_.policy.unread_bound_mass != 0)
     return Status::Unimplemented(
-        "the CUDA backend selects by the flat Quest scan with a fixed K: rerank, group_pages and "
-        "unread_bound_mass need the CPU backend");
+        "the CUDA backend selects by the flat Quest scan with a fixed K: group_pages and unread_bound_mass "
+        "need the CPU backend");
   if (c_.policy.block_selection == BlockSelection::kShared)
     return Status::Unimplemented("the CUDA backend selects each block position on its own: shared block "
                                  "selection needs the CPU backend");

@@ -278,6 +278,12 @@ class CudaBackendImpl final : public DataPlane {
     std::vector<int32_t> counts, last_len, page_indptr, part_indptr;  // [B], [B], [B+1], [B+1]
     kc::SelectShape shape;
     kc::SelectPlan splan;
+    // Re-rank (SelectionPolicy::rerank): a widened select's rows are the
+    // candidates LaunchRerank narrows to splan's.
+    bool rerank = false;
+    kc::SelectShape wshape;
+    kc::SelectPlan wplan;
+    int max_listed = 0;
     kc::ResolvePlan rplan;
     kc::AttendPlan aplan;
     int64_t entries = 0;  // selection bound of the whole batch
@@ -287,7 +293,7 @@ class CudaBackendImpl final : public DataPlane {
     std::size_t qbytes_req = 0;
     IoLayout io;
     std::vector<int32_t> hdr;
-    std::size_t o_sel = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
+    std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;
     const void* q = nullptr;
@@ -455,7 +461,7 @@ class CudaBackendImpl final : public DataPlane {
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
-      res_count_, queues_, sel_ws_, res_ws_, att_ws_;
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_;
   std::size_t att_ws_zeroed_ = 0;
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.

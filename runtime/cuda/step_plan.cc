@@ -2,6 +2,8 @@
 // (shapes, lists grown, buffers, header, resolve parameters).
 #include "runtime/cuda/backend.h"
 
+#include <cmath>
+
 namespace questkv::cuda_backend {
 
 // ---- the decode step ---------------------------------------------------------------
@@ -40,8 +42,18 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   for (const PageList* l : st.lists) {
     const int64_t pages = int64_t(l->pages.size());
     stats->head_pages_total += pages * g_.kv_heads;
-    if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages)
+    if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages) {
       stats->summary_bytes_read += pages * int64_t(summary_bytes());
+      // The re-rank reads its candidates' keys (select.cc's count).
+      if (c_.policy.rerank > 0) {
+        const int64_t sink = std::min<int64_t>(c_.policy.sink_pages, pages);
+        const int64_t local = std::min<int64_t>(std::max(c_.policy.local_pages, 1), pages);
+        const int64_t fixed = sink + local < pages ? sink + local : pages;
+        const int64_t k = std::max<int64_t>(0, pages_budget - fixed);
+        const int64_t c = std::min<int64_t>(int64_t(std::ceil(c_.policy.rerank * double(k))), pages);
+        stats->rerank_key_bytes += std::min(c, pages - fixed) * g_.kv_heads * int64_t(piece());
+      }
+    }
   }
   // Whole head-pages (a tail is counted whole): what the kernel reads.
   stats->kv_bytes_read += selected * int64_t(2 * piece());
@@ -149,6 +161,16 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.chain = c_.cuda_chain_kernels;
   std::string err;
   if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);
+  p.rerank = c_.policy.rerank > 0 && !shape.dense && shape.gqa != GqaMode::kUnion;
+  if (p.rerank) {
+    p.wshape = kc::RerankShape(shape, c_.policy.rerank);
+    if (!kc::PlanSelect(p.wshape, p.counts.data(), sms_, &p.wplan, &err)) return Status::InvalidArgument(err);
+    for (int r = 0; r < p.rows; ++r)
+      p.max_listed = std::max(p.max_listed, p.wplan.out_indptr[r + 1] - p.wplan.out_indptr[r]);
+    if (p.max_listed > 16384)
+      return Status::InvalidArgument("rerank: " + std::to_string(p.max_listed) +
+                                     " candidates a row, the CUDA backend re-ranks at most 16384");
+  }
   p.entries = p.splan.out_indptr[p.rows];
   p.max_row = 0;
   for (int r = 0; r < p.rows; ++r)
@@ -229,7 +251,11 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   p.qcap = int(std::max<int64_t>(p.entries, 1));
   p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
   QKV_RETURN_IF_ERROR(queues_.Reserve(2 * p.qbytes_req + 256));
-  QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>(p.splan.workspace_bytes, 1)));
+  QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, 1})));
+  if (p.rerank) {
+    QKV_RETURN_IF_ERROR(cand_pages_.Reserve(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
+    QKV_RETURN_IF_ERROR(cand_count_.Reserve(p.rows * 4));
+  }
   QKV_RETURN_IF_ERROR(res_ws_.Reserve(std::max<std::size_t>(p.rplan.workspace_bytes, 1)));
   if (att_ws_.bytes() < p.aplan.workspace_bytes) {
     QKV_RETURN_IF_ERROR(Sync());
@@ -267,6 +293,8 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
   hdr.assign(p.page_indptr.begin(), p.page_indptr.end());
   p.o_sel = hdr.size();
   hdr.insert(hdr.end(), p.splan.out_indptr.begin(), p.splan.out_indptr.end());
+  p.o_cand = hdr.size();
+  if (p.rerank) hdr.insert(hdr.end(), p.wplan.out_indptr.begin(), p.wplan.out_indptr.end());
   p.o_part = hdr.size();
   hdr.insert(hdr.end(), p.part_indptr.begin(), p.part_indptr.end());
   p.o_last = hdr.size();

@@ -71,7 +71,36 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   sp.out_pages = sel_pages_.as<int32_t>();
   sp.out_count = sel_count_.as<int32_t>();
   sp.workspace = sel_ws_.as();
-  QKV_CUDA(kc::LaunchSelect(p.splan, sp, stream_));
+  if (p.rerank) {  // the candidates, then the best of them
+    kc::SelectParams wide = sp;
+    wide.shape = p.wshape;
+    wide.out_indptr = p.d_hdr + p.o_cand;
+    wide.out_pages = cand_pages_.as<int32_t>();
+    wide.out_count = cand_count_.as<int32_t>();
+    QKV_CUDA(kc::LaunchSelect(p.wplan, wide, stream_));
+    kc::RerankParams rr;
+    rr.shape = p.shape;
+    rr.kv_dtype = p.dt;
+    rr.summary_dtype = sum_dtype();
+    rr.q = p.q;
+    rr.summaries = summaries_.as();
+    rr.page_indptr = p.d_hdr;
+    rr.page_ids = p.page_ids;
+    rr.last_len = p.d_hdr + p.o_last;
+    rr.hbm_slot = hbm_slot_.as<int32_t>();
+    rr.slots = pool_.as();
+    rr.host_addr = host_addr_.as<const void* const>();
+    rr.cand_indptr = p.d_hdr + p.o_cand;
+    rr.cand_pages = cand_pages_.as<int32_t>();
+    rr.cand_count = cand_count_.as<int32_t>();
+    rr.max_listed = p.max_listed;
+    rr.out_indptr = sp.out_indptr;
+    rr.out_pages = sp.out_pages;
+    rr.out_count = sp.out_count;
+    QKV_CUDA(kc::LaunchRerank(rr, stream_));
+  } else {
+    QKV_CUDA(kc::LaunchSelect(p.splan, sp, stream_));
+  }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[1], stream_));
   QKV_CUDA(kc::LaunchResolve(p.rplan, p.rp, stream_));
   if (!capturing && p.cold_waits) QKV_RETURN_IF_ERROR(SettleCold(s, p));
