@@ -191,6 +191,7 @@ struct RerankParams {
   const int32_t* cand_pages = nullptr;
   const int32_t* cand_count = nullptr;
   int max_listed = 0;                      // longest row of cand_indptr (<= 16384)
+  float* workspace = nullptr;              // [cand_indptr[rows]] exact scores
   const int32_t* out_indptr = nullptr;     // PlanSelect's for `shape`
   int32_t* out_pages = nullptr;            // ascending, as LaunchSelect writes them
   int32_t* out_count = nullptr;

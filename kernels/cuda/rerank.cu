@@ -1,6 +1,6 @@
 // The two-stage re-rank on the device (SelectionPolicy::rerank;
 // selector/select.cc's Selector::Rerank). A row's candidates are the pages a
-// select with a widened budget (PlanRerank) chose beyond its sink and local
+// select with a widened budget (RerankShape) chose beyond its sink and local
 // pages, the top ceil(rerank * k) by the bound. Each gets its exact score,
 // the group's aggregate (max or mean over its query heads) of the page's
 // largest logit q·k over its valid keys, read from the page's HBM slot or,
@@ -11,10 +11,12 @@
 // product and per sum, maxima taken in token and head order, the mean's sum
 // in order and then divided.
 //
-// A block per row. Candidates go through shared memory a chunk at a time: a
-// thread per (candidate, query head, token) logit, then a thread per
-// (candidate, query head) maximum, then a thread per candidate aggregate.
-// The ranking counts, for each candidate, the candidates that beat it.
+// Two launches. ExactKernel: a row's candidates (a contiguous run of its
+// ascending list, between the sink and the local pages) split over several
+// blocks, a thread per (candidate, query head, token) logit, then a thread
+// per candidate for its maxima and aggregate, into the workspace. KeepKernel:
+// a block per row keeps a candidate when fewer than k others beat it, and
+// writes the row.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -27,7 +29,7 @@ namespace questkv::kernels::cuda {
 namespace {
 
 constexpr int kRerankThreads = 256;
-constexpr int kLogitFloats = 8192;  // a chunk's logits in shared memory (32 KiB)
+constexpr int kSlice = 32;  // candidates an ExactKernel block scores
 
 // The widened select's budget for a layer's budget: the sink and local pages
 // plus ceil(rerank * k) candidates, k = budget - sink - local (select.cc's
@@ -48,120 +50,122 @@ __device__ __forceinline__ const T* KeysOf(const RerankParams& p, uint32_t page,
   return nullptr;
 }
 
-template <typename T, typename SumT, int D, int G>
-__global__ void __launch_bounds__(kRerankThreads) RerankKernel(const RerankParams p) {
+// A row's candidates: listed entries [*lo, *hi), those between its sink and
+// local pages (the list is ascending).
+__device__ __forceinline__ void CandidateRun(const RowPolicy& r, const int32_t* list, int listed, int* lo, int* hi) {
+  int a = 0, b = listed;
+  while (a < b && list[a] < r.sink) ++a;
+  while (b > a && list[b - 1] >= r.n - r.local) --b;
+  *lo = a, *hi = b;
+}
+
+struct RowView {
+  int b, h, n;
+  RowPolicy r;
+  const int32_t* list;
+  int listed;
+};
+__device__ __forceinline__ RowView ViewRow(const RerankParams& p, int row) {
   const SelectShape& s = p.shape;
-  const int row = blockIdx.x, b = row / s.kv_heads, h = row % s.kv_heads;
-  const int n = p.page_indptr[b + 1] - p.page_indptr[b];
-  const RowPolicy r = PolicyFor(s, n);
-  const int32_t* cand = p.cand_pages + p.cand_indptr[row];
-  const int listed = min(p.cand_count[row], p.cand_indptr[row + 1] - p.cand_indptr[row]);
-  int32_t* out = p.out_pages + p.out_indptr[row];
-  const int cap = p.out_indptr[row + 1] - p.out_indptr[row];
-  if (r.all || r.k == 0) {  // every page, or sink and local only: the widened select's row is the answer
-    int m = 0;
-    for (int i = 0; i < listed; ++i) {
-      const int pg = cand[i];
-      if (!r.all && !Skipped(r, pg)) continue;
-      if (threadIdx.x == 0 && m < cap) out[m] = pg;
-      ++m;
-    }
-    if (threadIdx.x == 0) p.out_count[row] = min(m, cap);
-    return;
-  }
-  extern __shared__ float smem[];
+  RowView v;
+  v.b = row / s.kv_heads, v.h = row % s.kv_heads;
+  v.n = p.page_indptr[v.b + 1] - p.page_indptr[v.b];
+  v.r = PolicyFor(s, v.n);
+  v.list = p.cand_pages + p.cand_indptr[row];
+  v.listed = min(p.cand_count[row], p.cand_indptr[row + 1] - p.cand_indptr[row]);
+  return v;
+}
+
+// Block (row, slice): candidates [lo + slice * kSlice, ...) of the row.
+template <typename T, typename SumT, int D, int G>
+__global__ void __launch_bounds__(kRerankThreads) ExactKernel(const RerankParams p, float* exact) {
+  const SelectShape& s = p.shape;
+  const RowView v = ViewRow(p, blockIdx.x);
+  if (v.r.all || v.r.k == 0) return;  // nothing to re-rank
+  int lo, hi;
+  CandidateRun(v.r, v.list, v.listed, &lo, &hi);
+  const int c0 = lo + int(blockIdx.y) * kSlice;
+  const int cn = min(kSlice, hi - c0);
+  if (cn <= 0) return;
   const int S = s.page_size;
-  const int chunk = max(1, kLogitFloats / (G * S));
-  float* logit = smem;                      // [chunk][G][S]
-  float* exact = logit + kLogitFloats;      // [listed] (candidates in list order; fixed pages hold nothing)
-  int32_t* index = reinterpret_cast<int32_t*>(exact + p.max_listed);  // candidate -> list position
-  __shared__ int count;
   __shared__ float q[G * D];
-  const T* qg = static_cast<const T*>(p.q) + (std::size_t(b) * s.kv_heads * G + std::size_t(h) * G) * D;
+  extern __shared__ float logit[];  // [kSlice][G][S]
+  const T* qg = static_cast<const T*>(p.q) + (std::size_t(v.b) * s.kv_heads * G + std::size_t(v.h) * G) * D;
   for (int i = threadIdx.x; i < G * D; i += blockDim.x) q[i] = ToFloat(qg[i]);
-  if (threadIdx.x == 0) {
-    int c = 0;
-    for (int i = 0; i < listed; ++i)
-      if (!Skipped(r, cand[i])) index[c++] = i;
-    count = c;
+  __syncthreads();
+  const uint32_t* ids = p.page_ids + p.page_indptr[v.b];
+  const std::size_t piece = std::size_t(S) * D * sizeof(T);
+  for (int w = threadIdx.x; w < cn * G * S; w += blockDim.x) {
+    const int ci = w / (G * S), gi = (w / S) % G, t = w % S;
+    const int pg = v.list[c0 + ci];
+    const int len = pg == v.n - 1 ? p.last_len[v.b] : S;
+    float dot = -INFINITY;  // past the valid tokens, or no keys to read (the page keeps its bound)
+    const T* k = t < len ? KeysOf<T>(p, ids[pg], v.h, piece) : nullptr;
+    if (k) {
+      dot = 0.f;
+      k += std::size_t(t) * D;
+      for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(q[gi * D + d], ToFloat(k[d])));
+    }
+    logit[w] = dot;
   }
   __syncthreads();
-  const int c = count;
-  const uint32_t* ids = p.page_ids + p.page_indptr[b];
-  const std::size_t piece = std::size_t(S) * D * sizeof(T);
-  for (int c0 = 0; c0 < c; c0 += chunk) {
-    const int cn = min(chunk, c - c0);
-    for (int w = threadIdx.x; w < cn * G * S; w += blockDim.x) {
-      const int ci = w / (G * S), gi = (w / S) % G, t = w % S;
-      const int pg = cand[index[c0 + ci]];
-      const int len = pg == n - 1 ? p.last_len[b] : S;
-      float dot = -INFINITY;  // past the valid tokens, or no keys to read (the page keeps its bound)
-      const T* k = t < len ? KeysOf<T>(p, ids[pg], h, piece) : nullptr;
-      if (k) {
-        dot = 0.f;
-        k += std::size_t(t) * D;
-        for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(q[gi * D + d], ToFloat(k[d])));
-      }
-      logit[w] = dot;
-    }
-    __syncthreads();
-    for (int ci = threadIdx.x; ci < cn; ci += blockDim.x) {
-      const int pg = cand[index[c0 + ci]];
-      const int len = pg == n - 1 ? p.last_len[b] : S;
-      const bool readable = KeysOf<T>(p, ids[pg], h, piece) != nullptr;
-      float best[G];
+  for (int ci = threadIdx.x; ci < cn; ci += blockDim.x) {
+    const int pg = v.list[c0 + ci];
+    const int len = pg == v.n - 1 ? p.last_len[v.b] : S;
+    float agg;
+    if (!KeysOf<T>(p, ids[pg], v.h, piece)) {  // on disk: its bound, as the select scored it
+      const SumT* box = static_cast<const SumT*>(p.summaries) + (std::size_t(ids[pg]) * s.kv_heads + v.h) * 2 * D;
+      float bound[G];
+      ScoreHeadPage<T, SumT, D, G>(box, qg, bound);
+      agg = Aggregate<G>(s.gqa, bound);
+    } else {
+      agg = s.gqa == GqaMode::kMax ? -INFINITY : 0.f;
 #pragma unroll
       for (int gi = 0; gi < G; ++gi) {
-        float m = -INFINITY;
+        float best = -INFINITY;
         for (int t = 0; t < len; ++t) {
           const float x = logit[(ci * G + gi) * S + t];
-          m = m < x ? x : m;  // std::max(m, x): a NaN logit leaves m
+          best = best < x ? x : best;  // std::max(best, x): a NaN logit leaves best
         }
-        best[gi] = m;
+        agg = s.gqa == GqaMode::kMax ? (agg < best ? best : agg) : __fadd_rn(agg, __fdiv_rn(best, float(G)));
       }
-      float agg;
-      if (!readable) {  // on disk: its bound, as the select scored it
-        const SumT* lo = static_cast<const SumT*>(p.summaries) + (std::size_t(ids[pg]) * s.kv_heads + h) * 2 * D;
-        float bound[G];
-        ScoreHeadPage<T, SumT, D, G>(lo, qg, bound);
-        agg = Aggregate<G>(s.gqa, bound);
-      } else if (s.gqa == GqaMode::kMax) {
-        agg = -INFINITY;
-#pragma unroll
-        for (int gi = 0; gi < G; ++gi) agg = agg < best[gi] ? best[gi] : agg;
-      } else {
-        agg = 0.f;
-#pragma unroll
-        for (int gi = 0; gi < G; ++gi) agg = __fadd_rn(agg, __fdiv_rn(best[gi], float(G)));
-      }
-      exact[c0 + ci] = agg;
     }
-    __syncthreads();
+    exact[p.cand_indptr[blockIdx.x] + c0 + ci] = agg;
   }
-  // Keep the k best: a candidate stays when fewer than k beat it (higher key,
-  // or the same key at a lower page). Then the row in list order.
-  uint8_t* keep = reinterpret_cast<uint8_t*>(logit);
-  for (int i = threadIdx.x; i < c; i += blockDim.x) {
-    const uint32_t ki = Key(exact[i]);
+}
+
+// A block per row: a candidate stays when fewer than k others beat it (a
+// higher key, or the same key at a lower page); then the row in list order,
+// its sink and local pages with the kept candidates.
+__global__ void __launch_bounds__(kRerankThreads) KeepKernel(const RerankParams p, const float* exact) {
+  const int row = blockIdx.x;
+  const RowView v = ViewRow(p, row);
+  extern __shared__ uint8_t keep[];  // [max_listed]
+  int lo = 0, hi = 0;
+  if (!v.r.all && v.r.k > 0) CandidateRun(v.r, v.list, v.listed, &lo, &hi);
+  const float* e = exact + p.cand_indptr[row];
+  for (int i = lo + int(threadIdx.x); i < hi; i += blockDim.x) {
+    const uint32_t ki = Key(e[i]);
     int beaten = 0;
-    for (int j = 0; j < c && beaten < r.k; ++j) {
-      const uint32_t kj = Key(exact[j]);
+    for (int j = lo; j < hi && beaten < v.r.k; ++j) {
+      const uint32_t kj = Key(e[j]);
       beaten += kj > ki || (kj == ki && j < i);
     }
-    keep[i] = beaten < r.k;
+    keep[i - lo] = beaten < v.r.k;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int m = 0, ci = 0;
-    for (int i = 0; i < listed; ++i) {
-      const int pg = cand[i];
-      const bool fixed = Skipped(r, pg);
-      if (!fixed && !keep[ci++]) continue;
-      if (m < cap) out[m] = pg;
-      ++m;
-    }
-    p.out_count[row] = min(m, cap);
+  if (threadIdx.x != 0) return;
+  int32_t* out = p.out_pages + p.out_indptr[row];
+  const int cap = p.out_indptr[row + 1] - p.out_indptr[row];
+  int m = 0;
+  for (int i = 0; i < v.listed; ++i) {
+    const bool candidate = !v.r.all && i >= lo && i < hi;
+    // k == 0 (not all): the sink and local pages only; lo == hi then.
+    if (candidate ? !keep[i - lo] : (!v.r.all && v.r.k == 0 && !Skipped(v.r, v.list[i]))) continue;
+    if (m < cap) out[m] = v.list[i];
+    ++m;
   }
+  p.out_count[row] = min(m, cap);
 }
 
 }  // namespace
@@ -175,21 +179,23 @@ SelectShape RerankShape(const SelectShape& s, double rerank) {
 cudaError_t LaunchRerank(const RerankParams& p, cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  const std::size_t smem = kLogitFloats * sizeof(float) + std::size_t(p.max_listed) * (sizeof(float) + sizeof(int32_t));
+  const dim3 grid(rows, std::max(1, (p.max_listed + kSlice - 1) / kSlice));
+  const std::size_t logit_bytes = std::size_t(kSlice) * s.group * s.page_size * sizeof(float);
   QKV_DISPATCH_DTYPE(p.kv_dtype, T, {
     QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
       QKV_DISPATCH_GROUP(s.group, G, {
-        auto kernel = p.summary_dtype == DType::kE4M3 ? RerankKernel<T, E4m3Code, D, G> : RerankKernel<T, T, D, G>;
-        if (smem + sizeof(float) * G * D > 48 * 1024) {
+        auto kernel = p.summary_dtype == DType::kE4M3 ? ExactKernel<T, E4m3Code, D, G> : ExactKernel<T, T, D, G>;
+        if (logit_bytes + sizeof(float) * G * D > 48 * 1024) {
           if (const cudaError_t e =
-                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(logit_bytes));
               e != cudaSuccess)
             return e;
         }
-        kernel<<<rows, kRerankThreads, smem, stream>>>(p);
+        kernel<<<grid, kRerankThreads, logit_bytes, stream>>>(p, p.workspace);
       })
     })
   })
+  KeepKernel<<<rows, kRerankThreads, std::max(p.max_listed, 1), stream>>>(p, p.workspace);
   return cudaGetLastError();
 }
 

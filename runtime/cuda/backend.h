@@ -461,7 +461,7 @@ class CudaBackendImpl final : public DataPlane {
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
-      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_;
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_;
   std::size_t att_ws_zeroed_ = 0;
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.

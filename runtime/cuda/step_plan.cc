@@ -255,6 +255,7 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   if (p.rerank) {
     QKV_RETURN_IF_ERROR(cand_pages_.Reserve(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
     QKV_RETURN_IF_ERROR(cand_count_.Reserve(p.rows * 4));
+    QKV_RETURN_IF_ERROR(rerank_ws_.Reserve(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
   }
   QKV_RETURN_IF_ERROR(res_ws_.Reserve(std::max<std::size_t>(p.rplan.workspace_bytes, 1)));
   if (att_ws_.bytes() < p.aplan.workspace_bytes) {

@@ -94,6 +94,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     rr.cand_pages = cand_pages_.as<int32_t>();
     rr.cand_count = cand_count_.as<int32_t>();
     rr.max_listed = p.max_listed;
+    rr.workspace = rerank_ws_.as<float>();
     rr.out_indptr = sp.out_indptr;
     rr.out_pages = sp.out_pages;
     rr.out_count = sp.out_count;

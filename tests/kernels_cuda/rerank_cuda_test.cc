@@ -196,7 +196,7 @@ void RunRerankCase(const RerankCase& c, uint64_t seed) {
   for (int r = 0; r < rows; ++r) max_listed = std::max(max_listed, wplan.out_indptr[r + 1] - wplan.out_indptr[r]);
 
   DeviceBuffer d_q, d_sum, d_indptr, d_ids, d_last, d_slot, d_pool, d_host, d_cind, d_cand, d_ccount, d_ws, d_oind,
-      d_out, d_count;
+      d_out, d_count, d_exact;
   Upload(d_q, Encode(q, c.dtype));
   Upload(d_sum, Encode(summaries, c.dtype));
   Upload(d_indptr, indptr);
@@ -242,6 +242,8 @@ void RunRerankCase(const RerankCase& c, uint64_t seed) {
   rp.cand_pages = d_cand.as<int32_t>();
   rp.cand_count = d_ccount.as<int32_t>();
   rp.max_listed = max_listed;
+  d_exact.Resize(std::max<std::size_t>(std::size_t(wplan.out_indptr[rows]) * sizeof(float), 4));
+  rp.workspace = d_exact.as<float>();
   rp.out_indptr = d_oind.as<int32_t>();
   rp.out_pages = d_out.as<int32_t>();
   rp.out_count = d_count.as<int32_t>();
