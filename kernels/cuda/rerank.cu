@@ -159,9 +159,8 @@ __global__ void __launch_bounds__(kRerankThreads) KeepKernel(const RerankParams 
   const int cap = p.out_indptr[row + 1] - p.out_indptr[row];
   int m = 0;
   for (int i = 0; i < v.listed; ++i) {
-    const bool candidate = !v.r.all && i >= lo && i < hi;
-    // k == 0 (not all): the sink and local pages only; lo == hi then.
-    if (candidate ? !keep[i - lo] : (!v.r.all && v.r.k == 0 && !Skipped(v.r, v.list[i]))) continue;
+    // With k == 0 the widened select chose the sink and local pages only (lo == hi).
+    if (i >= lo && i < hi && !keep[i - lo]) continue;
     if (m < cap) out[m] = v.list[i];
     ++m;
   }

@@ -139,6 +139,10 @@ Status CudaBackendImpl::SealThrough(const Partition& P, AppendPlan& a, int64_t l
       jobs.push_back({slot_ptr(slot), home + std::size_t(h) * piece(), home + std::size_t(H + h) * piece()});
     }
   }
+  return LaunchSeals(jobs);
+}
+
+Status CudaBackendImpl::LaunchSeals(const std::vector<kc::SealJob>& jobs) {
   if (jobs.empty()) return Status::Ok();
   auto* st = static_cast<kc::SealJob*>(StageAlloc(jobs.size() * sizeof(kc::SealJob)));
   if (!st) return Status::ResourceExhausted("pinned staging for seal jobs");
@@ -250,16 +254,9 @@ Status CudaBackendImpl::SealHeld(PageId page) {
   for (int h = 0; h < H; ++h)
     jobs.push_back({slot_ptr(it->second.slots[h]), dst + std::size_t(h) * piece(), dst + std::size_t(H + h) * piece()});
   QKV_RETURN_IF_ERROR(FlushUpdates());
-  auto* st = static_cast<kc::SealJob*>(StageAlloc(jobs.size() * sizeof(kc::SealJob)));
-  if (!st) {
+  if (Status s = LaunchSeals(jobs); !s.ok()) {
     mover_->Drop(page);
-    return Status::ResourceExhausted("pinned staging for seal jobs");
-  }
-  std::memcpy(st, jobs.data(), jobs.size() * sizeof(kc::SealJob));
-  if (const cudaError_t e = kc::LaunchSealCopy(static_cast<kc::SealJob*>(StageDev(st)), H, piece(), stream_);
-      e != cudaSuccess) {
-    mover_->Drop(page);
-    return CudaStatus("LaunchSealCopy", e);
+    return s;
   }
   QKV_RETURN_IF_ERROR(Sync());
   mover_->SealEnd(page);

@@ -432,6 +432,8 @@ class CudaBackendImpl final : public DataPlane {
   };
   Status ReserveAppend(const PageList& list, int64_t step, AppendPlan& a);
   Status SealThrough(const Partition& P, AppendPlan& a, int64_t last_logical, int64_t first_staged);
+  // Copies head-pages from their slots to their homes, on the stream.
+  Status LaunchSeals(const std::vector<kc::SealJob>& jobs);
   Status AppendRows(const AppendPlan& a, int64_t t0, int64_t t1, const void** kd, const void** vd);
   Status AppendToOldTail(uint32_t part, AppendPlan& a);
   Status AppendFreshPages(uint32_t part, AppendPlan& a);

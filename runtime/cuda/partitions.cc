@@ -21,12 +21,7 @@ Result<uint32_t> CudaBackendImpl::AddPartition() {
   Partition& P = parts_[id];
   P = Partition{};
   P.live = true;
-  for (int h = 0; h < H; ++h) {
-    P.tail.push_back(free_.back());
-    free_.pop_back();
-    Set(slot_pinned_.as<uint8_t>() + P.tail.back(), 1, kc::TableOp::kSet8);
-  }
-  slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
+  P.tail = TakePinnedSlots(nullptr);
   // Now: a queued set would land after a later release of these slots.
   QKV_RETURN_IF_ERROR(FlushUpdates());
   return id;
@@ -34,8 +29,8 @@ Result<uint32_t> CudaBackendImpl::AddPartition() {
 
 void CudaBackendImpl::RemovePartition(uint32_t part) {
   Partition& P = parts_[part];
-  for (int32_t s : P.tail) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
-  for (int32_t s : P.owned) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  ReleaseSlots(P.tail);
+  ReleaseSlots(P.owned);
   for (auto it = held_.begin(); it != held_.end();) {
     if (it->second.part != part) {
       ++it;
@@ -48,8 +43,6 @@ void CudaBackendImpl::RemovePartition(uint32_t part) {
   (void)FlushUpdates();
   (void)Sync();
   if (P.tail_page != kNoPage) tail_owner_.erase(P.tail_page);
-  free_.insert(free_.end(), P.tail.begin(), P.tail.end());
-  free_.insert(free_.end(), P.owned.begin(), P.owned.end());
   P = Partition{};
   free_parts_.push_back(part);
 }
@@ -162,11 +155,10 @@ Status CudaBackendImpl::Shrink(uint32_t part, int64_t k) {
     QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as<int32_t>() + k, (n - k) * 4, cudaMemcpyDeviceToDevice, stream_));
   QKV_RETURN_IF_ERROR(Sync());
   P.list = std::move(list);
-  for (int32_t s : lru) clears_.push_back({nullptr, s, kc::TableOp::kReleaseSlot, 0});
+  ReleaseSlots(lru);
   QKV_RETURN_IF_ERROR(FlushUpdates());
   std::sort(lru.begin(), lru.end());
   std::erase_if(P.owned, [&](int32_t s) { return std::binary_search(lru.begin(), lru.end(), s); });
-  free_.insert(free_.end(), lru.begin(), lru.end());
   return Status::Ok();
 }
 

@@ -161,7 +161,9 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.chain = c_.cuda_chain_kernels;
   std::string err;
   if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);
-  p.rerank = c_.policy.rerank > 0 && !shape.dense && shape.gqa != GqaMode::kUnion;
+  // Rows within the budget choose every page: nothing to re-rank unless one is longer.
+  p.rerank = c_.policy.rerank > 0 && !shape.dense && shape.gqa != GqaMode::kUnion &&
+             shape.page_budget < p.splan.max_pages;
   if (p.rerank) {
     p.wshape = kc::RerankShape(shape, c_.policy.rerank);
     if (!kc::PlanSelect(p.wshape, p.counts.data(), sms_, &p.wplan, &err)) return Status::InvalidArgument(err);
