@@ -332,8 +332,12 @@ bool PlanResolve(const ResolveShape& s, int64_t entries, int64_t list_slots, int
                  ResolvePlan* plan, std::string* error);
 
 struct ResolveParams {
+  // The launch's use mark: the slots it uses get it in slot_last_use, and a
+  // list slot already holding it is no victim. It must differ from every
+  // earlier launch's that touched the same lists (the CUDA backend numbers
+  // its launches: a block's waves decode one list several times a step).
   int64_t step = 0;
-  const int64_t* step_ptr = nullptr;      // optional: the step read from device memory instead (graphs)
+  const int64_t* step_ptr = nullptr;      // optional: the mark read from device memory instead (graphs)
   const int32_t* page_indptr = nullptr;   // [batch + 1] page table CSR
   const uint32_t* page_ids = nullptr;     // [page_indptr[batch]]
   const int32_t* sel_indptr = nullptr;    // [rows + 1] selection rows (capacities), first 0

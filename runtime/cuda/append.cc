@@ -263,7 +263,7 @@ Status CudaBackendImpl::SealHeld(PageId page) {
   const Held held = std::move(it->second);
   held_.erase(it);
   for (int32_t s : held.slots) Set(slot_pinned_.as<uint8_t>() + s, 0, kc::TableOp::kSet8);
-  return ExtendList(held.part, held.slots);  // flushes first
+  return ExtendList(held.part, held.slots);  // (the pinned marks clear at the flush before the next step)
 }
 
 // ---- fork, rollback, reads ----------------------------------------------------------

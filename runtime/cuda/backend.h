@@ -88,8 +88,8 @@ inline Status CudaStatus(const char* what, cudaError_t e) {
 // stage_pages; Config::cuda_stage_misses): at most this many bytes a call.
 constexpr std::size_t kStageBytes = std::size_t(16) << 20;
 
-// Bumped by every device or pinned allocation of this backend: a captured
-// step graph bakes pointers in, so a new allocation retires the graphs.
+// Bumped by the device and pinned allocations of this backend that a captured
+// step graph may bake in: a new one retires the graphs.
 inline uint64_t g_alloc_epoch = 0;
 
 // A device allocation that only grows. Growing frees the old block: callers
@@ -106,7 +106,11 @@ class DevBuf {
     return *this;
   }
   ~DevBuf() { cudaFree(p_); }
-  Status Reserve(std::size_t bytes) {
+  // `in_graphs`: captured step graphs may bake the block's address in, so a
+  // new block drops them (g_alloc_epoch). A partition's list and page mirror
+  // pass false: the steps read the lists through their header and key their
+  // graphs by the page mirror's address.
+  Status Reserve(std::size_t bytes, bool in_graphs = true) {
     if (bytes <= n_) return Status::Ok();
     if (p_) QKV_CUDA(cudaDeviceSynchronize());  // queued work may still read the old block
     cudaFree(p_);
@@ -114,7 +118,7 @@ class DevBuf {
     n_ = 0;
     QKV_CUDA(cudaMalloc(&p_, bytes));
     n_ = bytes;
-    ++g_alloc_epoch;
+    if (in_graphs) ++g_alloc_epoch;
     return Status::Ok();
   }
   template <typename T = void>
@@ -294,6 +298,7 @@ class CudaBackendImpl final : public DataPlane {
     IoLayout io;
     std::vector<int32_t> hdr;
     std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
+    int64_t use_mark = 0;  // this launch's (PackHeader)
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;
     const void* q = nullptr;
@@ -532,6 +537,7 @@ class CudaBackendImpl final : public DataPlane {
   };
   std::unordered_map<PageId, Held> held_;
   int64_t step_ = 0;  // the current decode call's (BeginStep)
+  int64_t use_marks_ = 0;  // the resolve's use marks handed out (PackHeader)
   std::vector<kc::TableUpdate> clears_, sets_;
   std::unordered_map<const void*, std::size_t> set_index_;
 };

@@ -50,7 +50,7 @@ void CudaBackendImpl::RemovePartition(uint32_t part) {
 Status CudaBackendImpl::GrowPages(Partition& P, int64_t len) {
   if (int64_t(P.pages.bytes() / 4) >= len) return Status::Ok();
   DevBuf bigger;
-  QKV_RETURN_IF_ERROR(bigger.Reserve(std::size_t(std::max<int64_t>(2 * len, 64)) * 4));
+  QKV_RETURN_IF_ERROR(bigger.Reserve(std::size_t(std::max<int64_t>(2 * len, 64)) * 4, /*in_graphs=*/false));
   if (P.pages_len)
     QKV_CUDA(cudaMemcpyAsync(bigger.as(), P.pages.as(), P.pages_len * 4, cudaMemcpyDeviceToDevice, stream_));
   QKV_RETURN_IF_ERROR(Sync());  // the old block may still be read by queued work
@@ -97,7 +97,7 @@ Status CudaBackendImpl::GrowList(uint32_t part) {
   std::vector<int32_t> fresh(free_.end() - take, free_.end());
   free_.resize(free_.size() - take);
   DevBuf list;
-  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(have + take) * 4));
+  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(2 * (have + take)) * 4, /*in_graphs=*/false));  // room to extend
   QKV_RETURN_IF_ERROR(Upload(list.as(), fresh.data(), fresh.size() * 4));
   if (have)
     QKV_CUDA(cudaMemcpyAsync(list.as<int32_t>() + take, P.list.as(), have * 4, cudaMemcpyDeviceToDevice, stream_));
@@ -108,17 +108,22 @@ Status CudaBackendImpl::GrowList(uint32_t part) {
   return Status::Ok();
 }
 
-// Slots (already holding pages) join the list at its most recently used end.
+// Slots (already holding pages) join the list at its most recently used end:
+// in place while the list's block has room (a sealed page a step: no
+// allocation, no wait), else in a block twice as large.
 Status CudaBackendImpl::ExtendList(uint32_t part, const std::vector<int32_t>& slots) {
   if (slots.empty()) return Status::Ok();
   Partition& P = parts_[part];
   const int64_t have = int64_t(P.owned.size());
-  DevBuf list;
-  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(have + slots.size()) * 4));
-  if (have) QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as(), have * 4, cudaMemcpyDeviceToDevice, stream_));
-  QKV_RETURN_IF_ERROR(Upload(list.as<int32_t>() + have, slots.data(), slots.size() * 4));
-  QKV_RETURN_IF_ERROR(Sync());
-  P.list = std::move(list);
+  const std::size_t bytes = std::size_t(have) * 4 + slots.size() * 4;
+  if (P.list.bytes() < bytes) {
+    DevBuf list;
+    QKV_RETURN_IF_ERROR(list.Reserve(std::max<std::size_t>(2 * bytes, 256), /*in_graphs=*/false));
+    if (have) QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as(), have * 4, cudaMemcpyDeviceToDevice, stream_));
+    QKV_RETURN_IF_ERROR(Sync());  // queued work may still read the old block
+    P.list = std::move(list);
+  }
+  QKV_RETURN_IF_ERROR(Upload(P.list.as<int32_t>() + have, slots.data(), slots.size() * 4));
   P.owned.insert(P.owned.end(), slots.begin(), slots.end());
   slots_peak_ = std::max<uint64_t>(slots_peak_, uint64_t(slots_ - int64_t(free_.size())));
   return Status::Ok();
@@ -150,7 +155,7 @@ Status CudaBackendImpl::Shrink(uint32_t part, int64_t k) {
   QKV_RETURN_IF_ERROR(FlushUpdates());
   QKV_CUDA(cudaMemcpyAsync(lru.data(), P.list.as(), k * 4, cudaMemcpyDeviceToHost, stream_));
   DevBuf list;
-  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(std::max<int64_t>(n - k, 1)) * 4));
+  QKV_RETURN_IF_ERROR(list.Reserve(std::size_t(std::max<int64_t>(n - k, 1)) * 4, /*in_graphs=*/false));
   if (n > k)
     QKV_CUDA(cudaMemcpyAsync(list.as(), P.list.as<int32_t>() + k, (n - k) * 4, cudaMemcpyDeviceToDevice, stream_));
   QKV_RETURN_IF_ERROR(Sync());

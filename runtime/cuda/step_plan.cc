@@ -290,7 +290,11 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
 }
 
 // Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] |
-// last_len [B] | part_lists [B] (pointers) | step (int64).
+// last_len [B] | part_lists [B] (pointers) | use mark (int64).
+// The use mark is new at every launch, not the decode step: the resolve's
+// victims are the list slots not marked by this launch, and the waves of
+// one block decode the same partitions within one step (with the step as
+// the mark, a later wave would find the slots an earlier wave used taken).
 void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
   std::vector<int32_t>& hdr = p.hdr;
   hdr.assign(p.page_indptr.begin(), p.page_indptr.end());
@@ -310,13 +314,14 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
     std::memcpy(hdr.data() + p.o_lists + 2 * b, &list, sizeof(list));
   }
   p.o_step = p.o_lists + 2 * p.B;
-  std::memcpy(hdr.data() + p.o_step, &s.step, sizeof(int64_t));
+  p.use_mark = ++use_marks_;
+  std::memcpy(hdr.data() + p.o_step, &p.use_mark, sizeof(int64_t));
 }
 
 kc::ResolveParams CudaBackendImpl::ResolveParamsFor(const StepArgs& s, const StepPlan& p) {
   char* qb = queues_.as<char>();
   kc::ResolveParams rp;
-  rp.step = s.step;
+  rp.step = p.use_mark;
   rp.step_ptr = reinterpret_cast<const int64_t*>(p.d_hdr + p.o_step);
   rp.page_indptr = p.d_hdr;
   rp.page_ids = p.page_ids;
