@@ -13,8 +13,10 @@
 //
 // Two launches. ExactKernel: a row's candidates (a contiguous run of its
 // ascending list, between the sink and the local pages) split over several
-// blocks, a thread per (candidate, query head, token) logit, then a thread
-// per candidate for its maxima and aggregate, into the workspace. KeepKernel:
+// blocks, a thread per (candidate, token) for its query heads' logits (the
+// key row read once, 16 bytes a load; the heads' sums are independent chains
+// in flight together), then a thread per candidate for its maxima and
+// aggregate, into the workspace. KeepKernel:
 // a block per row keeps a candidate when fewer than k others beat it, and
 // writes the row.
 #include <algorithm>
@@ -29,7 +31,7 @@ namespace questkv::kernels::cuda {
 namespace {
 
 constexpr int kRerankThreads = 256;
-constexpr int kSlice = 32;  // candidates an ExactKernel block scores
+constexpr int kSlice = 16;  // candidates an ExactKernel block scores (x page_size threads' work)
 
 // The widened select's budget for a layer's budget: the sink and local pages
 // plus ceil(rerank * k) candidates, k = budget - sink - local (select.cc's
@@ -95,18 +97,32 @@ __global__ void __launch_bounds__(kRerankThreads) ExactKernel(const RerankParams
   __syncthreads();
   const uint32_t* ids = p.page_ids + p.page_indptr[v.b];
   const std::size_t piece = std::size_t(S) * D * sizeof(T);
-  for (int w = threadIdx.x; w < cn * G * S; w += blockDim.x) {
-    const int ci = w / (G * S), gi = (w / S) % G, t = w % S;
+  constexpr int kVec = 16 / sizeof(T);  // key elements a load brings
+  for (int w = threadIdx.x; w < cn * S; w += blockDim.x) {
+    const int ci = w / S, t = w % S;
     const int pg = v.list[c0 + ci];
     const int len = pg == v.n - 1 ? p.last_len[v.b] : S;
-    float dot = -INFINITY;  // past the valid tokens, or no keys to read (the page keeps its bound)
     const T* k = t < len ? KeysOf<T>(p, ids[pg], v.h, piece) : nullptr;
+    // -inf past the valid tokens, or with no keys to read (the page keeps its bound).
+    float dot[G];
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) dot[gi] = k ? 0.f : -INFINITY;
     if (k) {
-      dot = 0.f;
-      k += std::size_t(t) * D;
-      for (int d = 0; d < D; ++d) dot = __fadd_rn(dot, __fmul_rn(q[gi * D + d], ToFloat(k[d])));
+      const uint4* row = reinterpret_cast<const uint4*>(k + std::size_t(t) * D);
+#pragma unroll 4
+      for (int d0 = 0; d0 < D; d0 += kVec) {
+        const uint4 raw = row[d0 / kVec];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float x = ToFloat(e[j]);
+#pragma unroll
+          for (int gi = 0; gi < G; ++gi) dot[gi] = __fadd_rn(dot[gi], __fmul_rn(q[gi * D + d0 + j], x));
+        }
+      }
     }
-    logit[w] = dot;
+#pragma unroll
+    for (int gi = 0; gi < G; ++gi) logit[(ci * G + gi) * S + t] = dot[gi];
   }
   __syncthreads();
   for (int ci = threadIdx.x; ci < cn; ci += blockDim.x) {

@@ -286,7 +286,7 @@ INSTANTIATE_TEST_SUITE_P(
                       RerankCase{7, 2, 4, 128, 16, 8, 2.5, GqaMode::kMean, F32, false},
                       RerankCase{5, 2, 1, 64, 16, 12, 3, GqaMode::kMax, BF16, true},
                       RerankCase{9, 1, 8, 64, 8, 20, 1.5, GqaMode::kMean, F16, true},
-                      RerankCase{3, 2, 2, 256, 32, 6, 4, GqaMode::kMax, F32, false},
+                      RerankCase{6, 2, 2, 256, 32, 6, 4, GqaMode::kMax, F32, false},
                       // Budget at the sink and local pages: nothing to re-rank.
                       RerankCase{5, 2, 4, 64, 16, 3, 2, GqaMode::kMax, F16, false}));
 
