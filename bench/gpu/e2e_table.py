@@ -65,7 +65,8 @@ def speculative(runs):
     spec = {n: r for n, r in runs.items() if n.startswith("draft-")}
     if not spec:
         return
-    hdr = ("run", "ctx", "step ms", "accepted/drafted", "tokens/s", "vs one a step", "head-pages/token", "digest")
+    hdr = ("run", "ctx", "step ms", "append/verify/settle ms", "accepted/drafted", "tokens/s", "vs one a step",
+           "head-pages/token", "digest")
     rows = []
     for name, r in spec.items():
         s = r.get("speculative")
@@ -76,7 +77,11 @@ def speculative(runs):
         vs = ""
         if base is not None:
             vs = "%.2fx" % (rate / (1e6 / max(1e-9, base["step_latency_us"]["p50"])))
-        rows.append((name, "%dK" % (r["context_tokens"] // 1024), "%.2f" % (p50 / 1e3),
+        split = "-"
+        if s and "append_seconds" in s:
+            blocks = max(1, r["decode_steps"])
+            split = "/".join("%.2f" % (1e3 * s[k] / blocks) for k in ("append_seconds", "verify_seconds", "settle_seconds"))
+        rows.append((name, "%dK" % (r["context_tokens"] // 1024), "%.2f" % (p50 / 1e3), split,
                      "%d/%d" % (s["accepted"], s["drafted"]) if s else "-", "%.1f" % rate, vs,
                      "%.0f" % (r["head_pages_selected"] / max(1, tokens)), r["output_digest"][:8]))
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]

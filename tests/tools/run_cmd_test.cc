@@ -103,6 +103,15 @@ TEST(RunFlags, SpeculativeDecodingThroughTieredMemoryKeepsTheDigest) {
   EXPECT_EQ(field(mem.out, "drafted"), "\"drafted\":36");
   EXPECT_EQ(field(mem.out, "accepted"), field(disk.out, "accepted"));
   EXPECT_NE(field(disk.out, "disk_to_host"), "\"disk_to_host\":0") << "the tiered run never read from disk";
+  // The blocks' time is their calls' time: appends, verifies, rollbacks.
+  auto number = [&](const std::string& key) {
+    const std::string f = field(disk.out, key);
+    return std::stod(f.substr(f.find(':') + 1));
+  };
+  const double parts = number("append_seconds") + number("verify_seconds") + number("settle_seconds");
+  EXPECT_GT(number("verify_seconds"), 0);
+  EXPECT_GT(number("settle_seconds"), 0);
+  EXPECT_NEAR(number("seconds"), parts, 1e-6 + 2e-5 * parts);  // (the report prints 6 digits)
   test::Outcome bad = RunCli({"--accept-rate", "0.5"});
   EXPECT_EQ(bad.code, 2);
   ExpectHas(bad.err, "--accept-rate needs --draft");

@@ -379,18 +379,27 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
   AttendStats stats;
   stats.time_phases = false;
   std::vector<double> step_us;
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  // A block's time is its runtime calls' (the workload's K/V and queries are
+  // generated outside it, as Decode's are).
   for (int64_t step = 0; step < o.decode_steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const RunReport::Speculative before = r.speculative;
     for (int layer = 0; layer < g.layers; ++layer) {
       for (int b = 0; b < B; ++b) {
         batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], n, k.data(), v.data());
+        const auto ta = Clock::now();
         QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), n));
+        r.speculative.append_seconds += seconds_since(ta);
         for (int i = 0; i < n; ++i)
           batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * n + i) * qrow);
       }
+      const auto tv = Clock::now();
       QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
+      r.speculative.verify_seconds += seconds_since(tv);
       Digest(r.output_digest, out.data(), out.size());
     }
+    const auto ts = Clock::now();
     for (int b = 0; b < B; ++b) {
       int accepted = 0;
       while (accepted < n && uniform(rng) < o.accept_rate) ++accepted;
@@ -399,8 +408,11 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
       kept[b] += accepted;
       r.speculative.accepted += accepted;
     }
+    r.speculative.settle_seconds += seconds_since(ts);
     r.speculative.drafted += int64_t(B) * n;
-    step_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    const RunReport::Speculative& s = r.speculative;
+    step_us.push_back(1e6 * ((s.append_seconds - before.append_seconds) + (s.verify_seconds - before.verify_seconds) +
+                             (s.settle_seconds - before.settle_seconds)));
     bar.Update(step + 1);
   }
   for (double us : step_us) r.speculative.seconds += 1e-6 * us;
@@ -832,6 +844,9 @@ std::string FormatReport(const RunReport& r) {
               "per accepted token %.1f head-pages, %.0f bytes host->hbm\n",
          o.draft, o.accept_rate, (long long)s.accepted, (long long)s.drafted, s.seconds > 0 ? s.accepted / s.seconds : 0,
          double(s.head_pages_selected) * per, double(r.bytes_moved.host_to_hbm) * per);
+    Line(out, "  speculative time   %.1f s: append drafts %.1f%%, verify %.1f%%, rollback + accept %.1f%%\n", s.seconds,
+         s.seconds > 0 ? 100 * s.append_seconds / s.seconds : 0, s.seconds > 0 ? 100 * s.verify_seconds / s.seconds : 0,
+         s.seconds > 0 ? 100 * s.settle_seconds / s.seconds : 0);
   }
   Line(out, "  output digest      %s\n", Hex(r.output_digest).c_str());
   return out;
@@ -997,6 +1012,9 @@ std::string ReportJson(const RunReport& r) {
         .Field("drafted", r.speculative.drafted)
         .Field("accepted", r.speculative.accepted)
         .Field("seconds", r.speculative.seconds)
+        .Field("append_seconds", r.speculative.append_seconds)
+        .Field("verify_seconds", r.speculative.verify_seconds)
+        .Field("settle_seconds", r.speculative.settle_seconds)
         .Field("tokens_per_s", r.speculative.seconds > 0 ? r.speculative.accepted / r.speculative.seconds : 0.0)
         .Field("head_pages_selected", r.speculative.head_pages_selected)
         .EndObject();

@@ -125,10 +125,12 @@ struct RunReport {
   };
   std::vector<StepRecord> steps;
   // RunOptions::draft > 0: what the verify steps drafted and kept, their
-  // wall time (append + verify + rollback, all layers) and selections.
+  // wall time (append + verify + rollback, all layers), split by call
+  // (AppendDraft, DecodeBlock, Rollback + Accept), and selections.
   struct Speculative {
     int64_t drafted = 0, accepted = 0;
     double seconds = 0;
+    double append_seconds = 0, verify_seconds = 0, settle_seconds = 0;
     int64_t head_pages_selected = 0;
   } speculative;
 };
