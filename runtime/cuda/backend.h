@@ -186,8 +186,10 @@ class CudaBackendImpl final : public DataPlane {
                       prof_.us[i] / prof_.calls, (long long)prof_.slow_calls[i], prof_.slow_us[i]);
         line += part;
       }
-      std::fprintf(stderr, "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured\n",
-                   (long long)prof_.calls, line.c_str(), (long long)graphs_captured_);
+      std::fprintf(stderr,
+                   "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured, "
+                   "%lld updated in place\n",
+                   (long long)prof_.calls, line.c_str(), (long long)graphs_captured_, (long long)graphs_updated_);
     }
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
@@ -497,37 +499,60 @@ class CudaBackendImpl final : public DataPlane {
     ++g_alloc_epoch;
     return Status::Ok();
   }
-  // The instantiated graph of a step shape, captured by `enqueue` on first use.
-  Result<cudaGraphExec_t> GraphFor(const std::vector<int64_t>& key, const std::function<Status()>& enqueue) {
+  // The instantiated graph of a step shape, captured by `enqueue` on first
+  // use. `sizes` (page counts, list lengths) change as sequences grow: the
+  // shape's graph is then captured again and its executable updated in
+  // place (cudaGraphExecUpdate: kernel parameters and grids), a fraction of
+  // a new instantiation's cost; a new one only when the kernels differ.
+  Result<cudaGraphExec_t> GraphFor(const std::vector<int64_t>& shape, const std::vector<int64_t>& sizes,
+                                   const std::function<Status()>& enqueue) {
     if (graphs_epoch_ != g_alloc_epoch || graphs_.size() > 512) {
       ClearGraphs();
       graphs_epoch_ = g_alloc_epoch;
     }
-    if (auto it = graphs_.find(key); it != graphs_.end()) return it->second;
+    const auto it = graphs_.find(shape);
+    if (it != graphs_.end() && it->second.sizes == sizes) return it->second.exec;
     cudaGraph_t graph = nullptr;
     QKV_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
     const Status st = enqueue();
     const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
     QKV_RETURN_IF_ERROR(st);
     QKV_CUDA(end);
+    if (it != graphs_.end()) {
+      cudaGraphExecUpdateResultInfo info{};
+      if (cudaGraphExecUpdate(it->second.exec, graph, &info) == cudaSuccess) {
+        cudaGraphDestroy(graph);
+        it->second.sizes = sizes;
+        ++graphs_updated_;
+        return it->second.exec;
+      }
+      (void)cudaGetLastError();  // the kernels differ: a new instantiation below
+      cudaGraphExecDestroy(it->second.exec);  // (launches already queued still run)
+      graphs_.erase(it);
+    }
     cudaGraphExec_t exec = nullptr;
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     cudaGraphDestroy(graph);
     QKV_CUDA(inst);
     ++graphs_captured_;
-    graphs_[key] = exec;
+    graphs_[shape] = {exec, sizes};
     return exec;
   }
   void ClearGraphs() {
-    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (auto& [shape, g] : graphs_) cudaGraphExecDestroy(g.exec);
     graphs_.clear();
   }
 
   char* io_ = nullptr;       // pinned
   std::size_t io_cap_ = 0;
-  std::map<std::vector<int64_t>, cudaGraphExec_t> graphs_;
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    std::vector<int64_t> sizes;  // what it was last captured with
+  };
+  std::map<std::vector<int64_t>, StepGraph> graphs_;
   uint64_t graphs_epoch_ = 0;
-  int64_t graphs_captured_ = 0;
+  int64_t graphs_captured_ = 0;  // instantiations
+  int64_t graphs_updated_ = 0;   // executables updated in place
   std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
   // Full pages of draft tokens (Append with hold), until SealHeld or their
   // death: pinned slots in no list, no home.

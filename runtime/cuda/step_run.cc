@@ -135,18 +135,20 @@ Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
   QKV_RETURN_IF_ERROR(Upload(header_.as(), p.hdr.data(), p.hdr.size() * 4));
   if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, p.qelems * 4));
   if (!c_.cuda_graphs || p.cold_waits || p.timed) return Enqueue(s, p, false);
-  // Everything a captured step bakes in: shapes, buffers, pointers.
-  std::vector<int64_t> key = {p.B, p.shape.dense, p.shape.page_budget, s.host_f32,
-                              int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
-                              int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
+  // Everything a captured step bakes in: shapes, buffers, pointers; and the
+  // sizes (page counts, list lengths) that an update in place may change.
+  std::vector<int64_t> shape = {p.B, p.shape.dense, p.shape.page_budget, s.host_f32,
+                                int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.q)),
+                                int64_t(reinterpret_cast<uintptr_t>(s.host_f32 ? nullptr : s.out))};
+  std::vector<int64_t> sizes;
   for (int b = 0; b < p.B; ++b) {
-    key.push_back(s.partitions[b]);
-    key.push_back(p.counts[b]);
-    key.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
-    key.push_back(p.part_indptr[b + 1] - p.part_indptr[b]);
+    shape.push_back(s.partitions[b]);
+    shape.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
+    sizes.push_back(p.counts[b]);
+    sizes.push_back(p.part_indptr[b + 1] - p.part_indptr[b]);
   }
   const int64_t captured = graphs_captured_;
-  QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(key, [&] { return Enqueue(s, p, true); }));
+  QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(shape, sizes, [&] { return Enqueue(s, p, true); }));
   if (s.graphs_captured) *s.graphs_captured += graphs_captured_ - captured;
   QKV_CUDA(cudaGraphLaunch(exec, stream_));
   return Status::Ok();
