@@ -58,6 +58,7 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
 
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                                int64_t step, bool hold) {
+  HostClock clock(append_prof_);
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
   a.old_tokens = list.tokens, a.end = list.tokens + n;
@@ -77,13 +78,17 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
                                        " free of " + std::to_string(slots_));
   }
   QKV_RETURN_IF_ERROR(ReserveAppend(list, step, a));
+  clock.Mark(kAppendReserve);
   // Device work. The page mirror first.
   Partition& P = parts_[part];
   QKV_RETURN_IF_ERROR(GrowPages(P, a.total_pages));
   QKV_RETURN_IF_ERROR(Upload(P.pages.as<uint32_t>() + a.old_pages, a.fresh.data(), a.fresh.size() * 4));
   P.pages_len = a.total_pages;
+  clock.Mark(kAppendMirror);
   QKV_RETURN_IF_ERROR(AppendToOldTail(part, a));
+  clock.Mark(kAppendTail);
   QKV_RETURN_IF_ERROR(AppendFreshPages(part, a));
+  clock.Mark(kAppendFresh);
   QKV_RETURN_IF_ERROR(FlushUpdates());
   QKV_RETURN_IF_ERROR(ExtendList(part, a.resident));
   if (!a.sealing.empty()) {
@@ -92,6 +97,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   }  // else nothing the host reads changed: the next call on the stream sees the tokens
   list.pages.insert(list.pages.end(), a.fresh.begin(), a.fresh.end());
   list.tokens = a.end;
+  clock.Mark(kAppendFinish);
   return Status::Ok();
 }
 

@@ -52,6 +52,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -138,19 +139,39 @@ inline Status NoSlotFault(uint64_t n) {
   return Status::Internal(std::to_string(n) + " selected head-pages found no slot (partition lists too short)");
 }
 
-// Host-side time of DecodeStep's phases, summed; printed to stderr when the
-// backend goes when Config::cuda_profile_host is set (to see what the host
-// adds to a step).
+// Host-side time of DecodeStep's and Append's phases, summed; printed to
+// stderr when the backend goes when Config::cuda_profile_host is set (to see
+// what the host adds to a step).
 enum HostPhase { kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReadback, kHostPhases };
 constexpr const char* kHostPhaseNames[kHostPhases] = {"plan",   "grow lists",  "buffers",  "table flush",
                                                       "launch", "device wait", "readback"};
+// Append: ids, homes and draft room; the page mirror; the old tail; fresh
+// pages; the list, the seals' wait and SealEnd.
+enum AppendPhase { kAppendReserve, kAppendMirror, kAppendTail, kAppendFresh, kAppendFinish, kAppendPhases };
+constexpr const char* kAppendPhaseNames[kAppendPhases] = {"reserve", "page mirror", "old tail", "fresh pages",
+                                                          "list and seals"};
 struct HostProfile {
-  double us[kHostPhases] = {};
+  static constexpr int kMaxPhases = 8;
+  HostProfile(const char* const* names, int phases) : names(names), phases(phases) {}
+  const char* const* names;
+  int phases;
+  double us[kMaxPhases] = {};
   int64_t calls = 0;
   // Calls whose phase took over 100 us, and those calls' time in it: a
   // few one-off costs (first growth, graph capture) or a steady one.
-  int64_t slow_calls[kHostPhases] = {};
-  double slow_us[kHostPhases] = {};
+  int64_t slow_calls[kMaxPhases] = {};
+  double slow_us[kMaxPhases] = {};
+  // "name mean (n over 100 us: total us), ...", means per call.
+  std::string Line() const {
+    std::string line;
+    for (int i = 0; i < phases; ++i) {
+      char part[96];
+      std::snprintf(part, sizeof(part), "%s%s %.1f (%lld over 100 us: %.0f us)", i ? ", " : "", names[i],
+                    us[i] / std::max<int64_t>(calls, 1), (long long)slow_calls[i], slow_us[i]);
+      line += part;
+    }
+    return line;
+  }
 };
 class HostClock {
  public:
@@ -179,18 +200,14 @@ class CudaBackendImpl final : public DataPlane {
   ~CudaBackendImpl() override {
     mover_->SetDeviceReads({});  // the mover may outlive the backend; the device is idle below
     if (c_.cuda_profile_host && prof_.calls) {
-      std::string line;
-      for (int i = 0; i < kHostPhases; ++i) {
-        char part[64];
-        std::snprintf(part, sizeof(part), "%s%s %.1f (%lld over 100 us: %.0f us)", i ? ", " : "", kHostPhaseNames[i],
-                      prof_.us[i] / prof_.calls, (long long)prof_.slow_calls[i], prof_.slow_us[i]);
-        line += part;
-      }
       std::fprintf(stderr,
                    "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured, "
                    "%lld updated in place\n",
-                   (long long)prof_.calls, line.c_str(), (long long)graphs_captured_, (long long)graphs_updated_);
+                   (long long)prof_.calls, prof_.Line().c_str(), (long long)graphs_captured_, (long long)graphs_updated_);
     }
+    if (c_.cuda_profile_host && append_prof_.calls)
+      std::fprintf(stderr, "questkv cuda append host profile (%lld calls, us/call): %s\n",
+                   (long long)append_prof_.calls, append_prof_.Line().c_str());
     if (stream_) cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
@@ -466,7 +483,8 @@ class CudaBackendImpl final : public DataPlane {
   std::vector<Partition> parts_;
   std::vector<uint32_t> free_parts_;
   int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
-  HostProfile prof_;
+  HostProfile prof_{kHostPhaseNames, kHostPhases};
+  HostProfile append_prof_{kAppendPhaseNames, kAppendPhases};
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
