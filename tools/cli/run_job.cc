@@ -380,23 +380,28 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
   stats.time_phases = false;
   std::vector<double> step_us;
   using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   // A block's time is its runtime calls' (the workload's K/V and queries are
-  // generated outside it, as Decode's are).
+  // generated outside it, as Decode's are), each charged to its kind too.
+  double block_s = 0;
+  auto charge = [&](double& kind, Clock::time_point t0) {
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    kind += s;
+    block_s += s;
+  };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
-    const RunReport::Speculative before = r.speculative;
+    block_s = 0;
     for (int layer = 0; layer < g.layers; ++layer) {
       for (int b = 0; b < B; ++b) {
         batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], n, k.data(), v.data());
         const auto ta = Clock::now();
         QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), n));
-        r.speculative.append_seconds += seconds_since(ta);
+        charge(r.speculative.append_seconds, ta);
         for (int i = 0; i < n; ++i)
           batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * n + i) * qrow);
       }
       const auto tv = Clock::now();
       QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
-      r.speculative.verify_seconds += seconds_since(tv);
+      charge(r.speculative.verify_seconds, tv);
       Digest(r.output_digest, out.data(), out.size());
     }
     const auto ts = Clock::now();
@@ -408,11 +413,9 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
       kept[b] += accepted;
       r.speculative.accepted += accepted;
     }
-    r.speculative.settle_seconds += seconds_since(ts);
+    charge(r.speculative.settle_seconds, ts);
     r.speculative.drafted += int64_t(B) * n;
-    const RunReport::Speculative& s = r.speculative;
-    step_us.push_back(1e6 * ((s.append_seconds - before.append_seconds) + (s.verify_seconds - before.verify_seconds) +
-                             (s.settle_seconds - before.settle_seconds)));
+    step_us.push_back(1e6 * block_s);
     bar.Update(step + 1);
   }
   for (double us : step_us) r.speculative.seconds += 1e-6 * us;
