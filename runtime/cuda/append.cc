@@ -33,7 +33,13 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
   auto* st = static_cast<int32_t*>(StageAlloc(sizeof(hdr)));
   if (!st) return Status::ResourceExhausted("pinned staging");
   std::memcpy(st, hdr, sizeof(hdr));
-  const int32_t* d = static_cast<const int32_t*>(StageDev(st));
+  return LaunchAppendOne(static_cast<const int32_t*>(StageDev(st)), P.pages.as<uint32_t>(), int(t1 - t0), k, v);
+}
+
+// The append kernel for one sequence: hdr (device) {0, n, first token's
+// position, 0, pages}, its pages' ids, n rows of K and V.
+Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page_ids, int n, const void* k,
+                                        const void* v) {
   kc::AppendParams p;
   p.kv_dtype = g_.dtype;
   p.summary_dtype = sum_dtype();
@@ -42,11 +48,11 @@ Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, 
   p.kv_heads = g_.kv_heads;
   p.page_size = g_.page_size;
   p.head_dim = g_.head_dim;
-  p.max_new_tokens = int(t1 - t0);
-  p.append_indptr = d;
-  p.start_pos = d + 2;
-  p.page_indptr = d + 3;
-  p.page_ids = P.pages.as<uint32_t>();
+  p.max_new_tokens = n;
+  p.append_indptr = hdr;
+  p.start_pos = hdr + 2;
+  p.page_indptr = hdr + 3;
+  p.page_ids = page_ids;
   p.hbm_slot = hbm_slot_.as<int32_t>();
   p.k = k;
   p.v = v;
@@ -336,13 +342,31 @@ Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
     tail_owner_[tail] = part;
   }
   assert(P.tail_page == tail);
-  std::vector<char> k(std::size_t(g_.kv_heads) * piece());
+  // The kept tokens appended anew: their K and V gathered from the tail
+  // slots into append rows [len][Hkv][D], the page's box emptied, then the
+  // append kernel writes them back and folds the box: the summary appending
+  // only them made (the same arithmetic, E4M3 rounding included). All on the
+  // stream: nothing waits.
+  const int H = g_.kv_heads;
+  const std::size_t row = std::size_t(g_.head_dim) * DTypeBytes(g_.dtype);
+  QKV_RETURN_IF_ERROR(kv_in_.Reserve(std::size_t(len) * H * row));
+  QKV_RETURN_IF_ERROR(v_in_.Reserve(std::size_t(len) * H * row));
   QKV_RETURN_IF_ERROR(FlushUpdates());
-  for (int h = 0; h < g_.kv_heads; ++h)
-    QKV_CUDA(cudaMemcpyAsync(k.data() + h * piece(), slot_ptr(P.tail[h]), piece(), cudaMemcpyDeviceToHost, stream_));
-  QKV_RETURN_IF_ERROR(Sync());
-  QKV_RETURN_IF_ERROR(RebuildSummary(k.data(), tail, len));
-  return Sync();
+  for (int h = 0; h < H; ++h) {
+    QKV_CUDA(cudaMemcpy2DAsync(kv_in_.as<char>() + h * row, H * row, slot_ptr(P.tail[h]), row, row, len,
+                               cudaMemcpyDeviceToDevice, stream_));
+    QKV_CUDA(cudaMemcpy2DAsync(v_in_.as<char>() + h * row, H * row, slot_ptr(P.tail[h]) + piece(), row, row, len,
+                               cudaMemcpyDeviceToDevice, stream_));
+  }
+  // append_indptr {0, len}, start_pos {0}, page_indptr {0, 1}, page_ids {tail}.
+  const int32_t hdr[6] = {0, len, 0, 0, 1, int32_t(tail)};
+  auto* st = static_cast<int32_t*>(StageAlloc(sizeof(hdr)));
+  if (!st) return Status::ResourceExhausted("pinned staging");
+  std::memcpy(st, hdr, sizeof(hdr));
+  const int32_t* d = static_cast<const int32_t*>(StageDev(st));
+  const uint32_t* ids = reinterpret_cast<const uint32_t*>(d + 5);
+  QKV_CUDA(kc::LaunchResetSummaries(summaries_.as(), sum_dtype(), ids, 1, H, g_.head_dim, stream_));
+  return LaunchAppendOne(d, ids, len, kv_in_.as(), v_in_.as());
 }
 
 Status CudaBackendImpl::ReadUnsealed(uint32_t part, PageId page, void* dst) {

@@ -432,6 +432,7 @@ class CudaBackendImpl final : public DataPlane {
   std::vector<int32_t> TakePinnedSlots(const PageId* page);
   Status AssignTail(uint32_t part, PageId page);
   Status RebuildSummary(const void* k_heads_host, PageId page, int len);
+  Status LaunchAppendOne(const int32_t* hdr, const uint32_t* page_ids, int n, const void* k, const void* v);
   Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
                            const void* v);
   Status ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out, const void** dev);
