@@ -189,8 +189,9 @@ struct Config {
   // split into launches (the one-launch kernel's blocks wait for each other,
   // which another stream holding SMs could stall).
   bool cuda_split_long_rows = false;
-  // Host-side time of each decode step's phases, printed to stderr when the
-  // runtime is destroyed.
+  // Host-side time of each decode step's and append's phases, and the
+  // stream's time between the calls' marks (events between their work),
+  // printed to stderr when the runtime is destroyed.
   bool cuda_profile_host = false;
 
   Status Validate() const;

@@ -64,7 +64,8 @@ Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page
 
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                                int64_t step, bool hold) {
-  HostClock clock(append_prof_);
+  HostClock clock(n < g_.page_size ? append_prof_ : fill_prof_);
+  MarkStream(kMarkAppend);
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
   a.old_tokens = list.tokens, a.end = list.tokens + n;
@@ -104,6 +105,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   list.pages.insert(list.pages.end(), a.fresh.begin(), a.fresh.end());
   list.tokens = a.end;
   clock.Mark(kAppendFinish);
+  MarkStream(kMarkAfterAppend);
   return Status::Ok();
 }
 

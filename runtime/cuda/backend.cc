@@ -104,6 +104,7 @@ Status CudaBackendImpl::Sync() {
   if (unchecked_async_)
     QKV_CUDA(cudaMemcpyAsync(&c, counters_.as(), sizeof(c), cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaStreamSynchronize(stream_));
+  SettleStreamMarks();
   stage_used_ = 0;
   reads_done_ = reads_queued_;
   for (auto& [ticket, e] : ticket_events_) spare_events_.push_back(e);
@@ -114,6 +115,39 @@ Status CudaBackendImpl::Sync() {
     bypasses_seen_ = c.bypasses;
   }
   return Status::Ok();
+}
+
+void CudaBackendImpl::MarkStream(int mark) {
+  if (!c_.cuda_profile_host) return;
+  StreamProfile& sp = stream_prof_;
+  if (sp.marks.size() >= 4096) {  // an engine that never waits: settle here (profiling only)
+    if (cudaEventSynchronize(sp.marks.back().second) == cudaSuccess) SettleStreamMarks();
+  }
+  cudaEvent_t e = nullptr;
+  if (!sp.spare.empty()) {
+    e = sp.spare.back();
+    sp.spare.pop_back();
+  } else if (cudaEventCreate(&e) != cudaSuccess) {
+    return;
+  }
+  if (cudaEventRecord(e, stream_) != cudaSuccess) {
+    sp.spare.push_back(e);
+    return;
+  }
+  sp.marks.emplace_back(mark, e);
+}
+
+// The marks' spans once their events are done (after a wait on the stream).
+void CudaBackendImpl::SettleStreamMarks() {
+  StreamProfile& sp = stream_prof_;
+  for (std::size_t i = 1; i < sp.marks.size(); ++i) {
+    float ms = 0;
+    const int span = StreamProfile::SpanOf(sp.marks[i - 1].first, sp.marks[i].first);
+    if (span < 0 || cudaEventElapsedTime(&ms, sp.marks[i - 1].second, sp.marks[i].second) != cudaSuccess) continue;
+    sp.us[span].push_back(1e3f * ms);
+  }
+  for (const auto& m : sp.marks) sp.spare.push_back(m.second);
+  sp.marks.clear();
 }
 
 // A call that returns before the device is done with it: its ticket, and

@@ -173,6 +173,51 @@ struct HostProfile {
     return line;
   }
 };
+// The stream's time between marks (events recorded between calls' work,
+// never inside a graph): where a decode step's device time goes besides its
+// kernels, the device's waits for the host's next submission included. A
+// span is named by the marks that bound it; spans between other pairs (a
+// prefill's appends back to back) are not counted. Settled at each Sync; no
+// span crosses one.
+enum StreamMark { kMarkAppend, kMarkAfterAppend, kMarkTables, kMarkGraph, kMarkDirect, kMarkReport, kMarkAfterCall };
+enum StreamSpan { kSpanAppend, kSpanToDecode, kSpanTables, kSpanGraph, kSpanDirect, kSpanReport, kSpanToAppend,
+                  kStreamSpans };
+constexpr const char* kStreamSpanNames[kStreamSpans] = {
+    "append", "until decode", "tables and inputs up", "step graph", "step launched directly", "report",
+    "until next append"};
+struct StreamProfile {
+  std::vector<std::pair<int, cudaEvent_t>> marks;  // since the last Sync, in stream order
+  std::vector<cudaEvent_t> spare;
+  std::vector<float> us[kStreamSpans];
+  // The span from mark `from` to mark `to`; -1 where the pair is not one.
+  static int SpanOf(int from, int to) {
+    if (from == kMarkAppend && to == kMarkAfterAppend) return kSpanAppend;
+    if ((from == kMarkAfterAppend || from == kMarkAfterCall) && to == kMarkTables) return kSpanToDecode;
+    if (from == kMarkTables && (to == kMarkGraph || to == kMarkDirect)) return kSpanTables;
+    if ((from == kMarkGraph || from == kMarkDirect) && to == kMarkReport)
+      return from == kMarkGraph ? kSpanGraph : kSpanDirect;
+    if (from == kMarkReport && to == kMarkAfterCall) return kSpanReport;
+    if (from == kMarkAfterCall && to == kMarkAppend) return kSpanToAppend;
+    return -1;
+  }
+  // "name p50 / mean (spans), ..." in us.
+  std::string Line() {
+    std::string line;
+    for (int i = 0; i < kStreamSpans; ++i) {
+      std::vector<float>& v = us[i];
+      if (v.empty()) continue;
+      double sum = 0;
+      for (float x : v) sum += x;
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      char part[128];
+      std::snprintf(part, sizeof(part), "%s%s %.1f / %.1f (%zu)", line.empty() ? "" : ", ", kStreamSpanNames[i],
+                    double(v[v.size() / 2]), sum / double(v.size()), v.size());
+      line += part;
+    }
+    return line;
+  }
+};
+
 class HostClock {
  public:
   explicit HostClock(HostProfile& p) : p_(p), last_(std::chrono::steady_clock::now()) { ++p_.calls; }
@@ -206,9 +251,19 @@ class CudaBackendImpl final : public DataPlane {
                    (long long)prof_.calls, prof_.Line().c_str(), (long long)graphs_captured_, (long long)graphs_updated_);
     }
     if (c_.cuda_profile_host && append_prof_.calls)
-      std::fprintf(stderr, "questkv cuda append host profile (%lld calls, us/call): %s\n",
-                   (long long)append_prof_.calls, append_prof_.Line().c_str());
+      std::fprintf(stderr, "questkv cuda append host profile, calls of fewer than %d tokens (%lld calls, us/call): %s\n",
+                   g_.page_size, (long long)append_prof_.calls, append_prof_.Line().c_str());
+    if (c_.cuda_profile_host && fill_prof_.calls)
+      std::fprintf(stderr, "questkv cuda append host profile, calls of %d tokens or more (%lld calls, us/call): %s\n",
+                   g_.page_size, (long long)fill_prof_.calls, fill_prof_.Line().c_str());
     if (stream_) cudaStreamSynchronize(stream_);
+    if (c_.cuda_profile_host) {
+      SettleStreamMarks();
+      if (!stream_prof_.us[kSpanGraph].empty() || !stream_prof_.us[kSpanDirect].empty())
+        std::fprintf(stderr, "questkv cuda stream profile (us a span, p50 / mean (spans)): %s\n",
+                     stream_prof_.Line().c_str());
+      for (cudaEvent_t e : stream_prof_.spare) cudaEventDestroy(e);
+    }
     for (cudaEvent_t e : ev_)
       if (e) cudaEventDestroy(e);
     for (Report& r : reports_) {
@@ -485,7 +540,13 @@ class CudaBackendImpl final : public DataPlane {
   std::vector<uint32_t> free_parts_;
   int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
   HostProfile prof_{kHostPhaseNames, kHostPhases};
-  HostProfile append_prof_{kAppendPhaseNames, kAppendPhases};
+  HostProfile append_prof_{kAppendPhaseNames, kAppendPhases};  // calls of fewer than S tokens (decode)
+  HostProfile fill_prof_{kAppendPhaseNames, kAppendPhases};    // of S or more (prefill)
+  StreamProfile stream_prof_;
+  // With Config::cuda_profile_host: a mark on the stream (outside graph
+  // captures); the spans between marks are summed at the next Sync.
+  void MarkStream(int mark);
+  void SettleStreamMarks();
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,

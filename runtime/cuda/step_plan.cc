@@ -104,12 +104,15 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   QKV_RETURN_IF_ERROR(header_.Reserve(p.hdr.size() * 4));
   p.d_hdr = header_.as<int32_t>();
   p.clock.Mark(kBuffers);  // and the resolve/attend plans, the header, pinned io
+  MarkStream(kMarkTables);
   QKV_RETURN_IF_ERROR(FlushUpdates());
   p.clock.Mark(kFlush);
   p.q = s.host_f32 ? (g_.dtype == DType::kF32 ? q_f32_.as() : q_.as()) : s.q;
   p.rp = ResolveParamsFor(s, p);
   QKV_RETURN_IF_ERROR(Launch(s, p));
+  MarkStream(kMarkReport);
   if (p.note) QKV_RETURN_IF_ERROR(QueueReport(s, p));
+  MarkStream(kMarkAfterCall);
   if (p.async) {
     QKV_RETURN_IF_ERROR(TicketCall());
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)

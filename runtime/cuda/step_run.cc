@@ -134,7 +134,10 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
 Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
   QKV_RETURN_IF_ERROR(Upload(header_.as(), p.hdr.data(), p.hdr.size() * 4));
   if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, p.qelems * 4));
-  if (!c_.cuda_graphs || p.cold_waits || p.timed) return Enqueue(s, p, false);
+  if (!c_.cuda_graphs || p.cold_waits || p.timed) {
+    MarkStream(kMarkDirect);
+    return Enqueue(s, p, false);
+  }
   // Everything a captured step bakes in: shapes, buffers, pointers; and the
   // sizes (page counts, list lengths) that an update in place may change.
   std::vector<int64_t> shape = {p.B, p.shape.dense, p.shape.page_budget, s.host_f32,
@@ -150,6 +153,7 @@ Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
   const int64_t captured = graphs_captured_;
   QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(shape, sizes, [&] { return Enqueue(s, p, true); }));
   if (s.graphs_captured) *s.graphs_captured += graphs_captured_ - captured;
+  MarkStream(kMarkGraph);  // after any capture: a step's span is its replay
   QKV_CUDA(cudaGraphLaunch(exec, stream_));
   return Status::Ok();
 }
