@@ -84,8 +84,9 @@ bool PlanAttend(const AttendShape& s, int max_pages, int num_sms, AttendPlan* pl
   if (std::size_t(splits) * s.group * 4 > 40 * 1024) return fail("too many splits: " + std::to_string(splits));
   plan->splits = splits;
   plan->pages_per_split = pps;
+  plan->counter_bytes = splits > 1 ? CounterBytes(s.rows) : 0;
   plan->workspace_bytes =
-      splits > 1 ? CounterBytes(s.rows) + std::size_t(s.rows) * splits * s.group * (s.head_dim + 2) * sizeof(float)
+      splits > 1 ? plan->counter_bytes + std::size_t(s.rows) * splits * s.group * (s.head_dim + 2) * sizeof(float)
                  : 0;
   return true;
 }

@@ -222,6 +222,11 @@ struct AttendPlan {
   int pages_per_split = 0;
   int max_pages = 0;
   std::size_t workspace_bytes = 0;
+  // The workspace's first counter_bytes hold per-row counters, the rest the
+  // splits' partials (0: one split, no workspace used). The counters must be
+  // zero at launch (RunAttend leaves them so): a launch of more rows than
+  // the one before finds its extra counters where that one's partials were.
+  std::size_t counter_bytes = 0;
 };
 // max_pages: bound on the entries of any row (the grid is sized for it, so the
 // run step can be captured once and replayed with other selections).
@@ -251,8 +256,8 @@ struct AttendParams {
   const GatherJob* fills = nullptr;
   void* o = nullptr;                  // [rows][G][D]; zeros for an empty row
   float* lse = nullptr;               // optional [rows][G]: m + log d (-inf for an empty row)
-  void* workspace = nullptr;          // PlanAttend's workspace_bytes, zeroed once after allocation
-                                      // (it holds per-row counters that RunAttend leaves at zero)
+  void* workspace = nullptr;          // PlanAttend's workspace_bytes, its first counter_bytes zero
+                                      // (per-row counters that RunAttend leaves at zero)
 };
 cudaError_t RunAttend(const AttendPlan& plan, const AttendParams& p, cudaStream_t stream);
 
@@ -335,7 +340,7 @@ struct ResolveParams {
   // The launch's use mark: the slots it uses get it in slot_last_use, and a
   // list slot already holding it is no victim. It must differ from every
   // earlier launch's that touched the same lists (the CUDA backend numbers
-  // its launches: a block's waves decode one list several times a step).
+  // its launches: a caller may decode one list several times a step).
   int64_t step = 0;
   const int64_t* step_ptr = nullptr;      // optional: the mark read from device memory instead (graphs)
   const int32_t* page_indptr = nullptr;   // [batch + 1] page table CSR
@@ -450,6 +455,46 @@ struct StepReportParams {
   int cold_cap = 0;
 };
 cudaError_t LaunchStepReport(const StepReportParams& p, cudaStream_t stream);
+
+// ==== a block of positions in one step (kernels/cuda/block.cu) ====
+// Rows of several positions of one sequence (causal views of one list, so
+// their logical page indices agree) select on their own; the resolve then
+// runs once per list over the union of their selections, and each row
+// attends the slots its own entries resolved to.
+
+// Union row (list u, head h) = the entries of rows members[i] * kv_heads + h,
+// i in [members_indptr[u], members_indptr[u + 1]), in that order, each
+// logical page at its first appearance. out_indptr holds each union row's
+// capacity (the members' capacities summed is always enough).
+struct BlockUnionParams {
+  int lists = 0, kv_heads = 0;
+  int max_pages = 0;                        // logical pages of the longest list (a bitmap of them)
+  const int32_t* members_indptr = nullptr;  // [lists + 1]
+  const int32_t* members = nullptr;         // select rows' sequences
+  const int32_t* sel_indptr = nullptr;      // [rows + 1] the select's rows
+  const int32_t* sel_count = nullptr;       // optional [rows]
+  const int32_t* sel_pages = nullptr;
+  const int32_t* out_indptr = nullptr;      // [lists * kv_heads + 1]
+  int32_t* out_pages = nullptr;
+  int32_t* out_count = nullptr;             // [lists * kv_heads]
+};
+cudaError_t LaunchBlockUnion(const BlockUnionParams& p, cudaStream_t stream);
+
+// After the union's resolve (its gather done): each row's slots for the
+// attention, hbm_slot of its entries' head-pages in entry order, entries
+// without a slot (cold under deadline, bypassed) left out.
+struct BlockSlotsParams {
+  int rows = 0, kv_heads = 0;              // row r: sequence r / kv_heads, head r % kv_heads
+  const int32_t* sel_indptr = nullptr;     // [rows + 1]
+  const int32_t* sel_count = nullptr;      // optional [rows]
+  const int32_t* sel_pages = nullptr;      // logical page indices
+  const int32_t* page_indptr = nullptr;    // [sequences + 1]
+  const uint32_t* page_ids = nullptr;
+  const int32_t* hbm_slot = nullptr;       // [PageId][Hkv]
+  int32_t* out_slots = nullptr;            // [sel_indptr[rows]] (same indptr)
+  int32_t* out_count = nullptr;            // [rows]
+};
+cudaError_t LaunchBlockSlots(const BlockSlotsParams& p, cudaStream_t stream);
 
 // dst[i] = (To) src[i] for n elements.
 cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream);

@@ -312,8 +312,7 @@ class CudaBackendImpl final : public DataPlane {
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
   std::size_t summary_elem_bytes() const override { return g_.summary_elem_bytes(); }
   Status DecodeStep(const Step& s) override;
-  // A step whose rows repeat partitions, as steps of distinct ones.
-  Status DecodeInWaves(const Step& st, const std::vector<std::vector<int>>& waves);
+  Status DecodeRows(const Step& st, const std::vector<int>& rows);
   bool on_device() const override { return true; }
   Status Synchronize() override {
     QKV_RETURN_IF_ERROR(Sync());
@@ -353,7 +352,20 @@ class CudaBackendImpl final : public DataPlane {
     int B = 0, rows = 0, max_row = 0;
     std::size_t qelems = 0;
     DType dt = DType::kF16;
-    std::vector<int32_t> counts, last_len, page_indptr, part_indptr;  // [B], [B], [B+1], [B+1]
+    std::vector<int32_t> counts, last_len, page_indptr;  // [B], [B], [B+1]
+    // The resolve's sequences: the distinct lists (partitions) of the rows.
+    // Rows sharing one (a block's positions: causal views of one list, so
+    // their logical page indices agree) make a block step: the resolve runs
+    // once per list over the union of their selections (kc::BlockUnion) and
+    // each row attends the slots its own entries got (kc::BlockSlots).
+    bool block = false;
+    int L = 0;
+    std::vector<uint32_t> lists;                   // [L] partitions, in order of first row
+    std::vector<int32_t> members_indptr, members;  // [L+1], [B]: rows of each list, in row order
+    std::vector<int32_t> list_start, list_pages;   // [L+1] page table starts (the longest row's), [L]
+    std::vector<int32_t> part_indptr;              // [L+1] list slots
+    std::vector<int32_t> usel_indptr;              // [L*Hkv+1] union rows' capacities (block)
+    int64_t uentries = 0;                          // usel_indptr's last (block); else entries
     kc::SelectShape shape;
     kc::SelectPlan splan;
     // Re-rank (SelectionPolicy::rerank): a widened select's rows are the
@@ -372,6 +384,7 @@ class CudaBackendImpl final : public DataPlane {
     IoLayout io;
     std::vector<int32_t> hdr;
     std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
+    std::size_t o_lstart = 0, o_usel = 0, o_members = 0;  // block steps
     int64_t use_mark = 0;  // this launch's (PackHeader)
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;
@@ -381,6 +394,7 @@ class CudaBackendImpl final : public DataPlane {
   };
   Status RunStep(const StepArgs& s);
   Status PlanStep(const StepArgs& s, StepPlan& p);
+  void PlanLists(const StepArgs& s, StepPlan& p);
   Status GrowLists(const StepArgs& s, StepPlan& p);
   Status PlanResolveAndAttend(const StepArgs& s, StepPlan& p);
   Status ReserveStepBuffers(const StepArgs& s, StepPlan& p);
@@ -550,8 +564,9 @@ class CudaBackendImpl final : public DataPlane {
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
-      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_;
-  std::size_t att_ws_zeroed_ = 0;
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_,
+      blk_slots_, blk_count_;
+  std::size_t att_ws_zeroed_ = 0;  // bytes at the start of att_ws_ known zero (the attention's counters)
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
   char* stage_ = nullptr;

@@ -12,17 +12,6 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   if (!st.shared_blocks.empty())
     return Status::Unimplemented("the CUDA backend selects each row on its own: shared block selection needs "
                                  "the CPU backend");
-  // Rows of one partition (a block's positions: causal views of one list)
-  // go in waves, the i-th row of each partition in the i-th: a step's
-  // resolve keeps one slot list per partition.
-  std::vector<std::vector<int>> waves;
-  for (std::size_t i = 0; i < st.partitions.size(); ++i) {
-    std::size_t w = 0;
-    for (std::size_t j = 0; j < i; ++j) w += st.partitions[j] == st.partitions[i];
-    if (w == waves.size()) waves.emplace_back();
-    waves[w].push_back(int(i));
-  }
-  if (waves.size() > 1) return DecodeInWaves(st, waves);
   if (st.dense && c_.cold_miss != ColdMissPolicy::kStrict && mover_->has_disk())
     return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
   StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections};
@@ -35,7 +24,21 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   }
   a.selected = &selected;
   if (stats) a.graphs_captured = &stats->graphs_captured;
-  QKV_RETURN_IF_ERROR(RunStep(a));
+  if (Status run = RunStep(a); !run.ok()) {
+    // Rows sharing a list attend together only when the list can hold their
+    // selections' union at once: else they go in halves, down to one row
+    // of each list a launch, each needing what one row selects.
+    if (run.code() != Code::kResourceExhausted || !st.host_f32) return run;
+    std::vector<int> first, second;
+    for (std::size_t i = 0; i < st.partitions.size(); ++i) {
+      const auto rows = std::count(st.partitions.begin(), st.partitions.end(), st.partitions[i]);
+      const auto rank = std::count(st.partitions.begin(), st.partitions.begin() + i, st.partitions[i]);
+      (2 * rank < rows ? first : second).push_back(int(i));
+    }
+    if (second.empty()) return run;  // one row per list: nothing to split
+    QKV_RETURN_IF_ERROR(DecodeRows(st, first));
+    return DecodeRows(st, second);
+  }
   if (!stats) return Status::Ok();
   const int64_t pages_budget = c_.policy.page_budget(st.layer, g_.page_size);
   stats->head_pages_selected += selected;
@@ -60,35 +63,31 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   return Status::Ok();
 }
 
-Status CudaBackendImpl::DecodeInWaves(const Step& st, const std::vector<std::vector<int>>& waves) {
-  if (!st.host_f32) return Status::InvalidArgument("rows of one sequence in a batch need host q and out");
+// The step's rows `rows` (host q and out) as a step of their own.
+Status CudaBackendImpl::DecodeRows(const Step& st, const std::vector<int>& rows) {
   const std::size_t row = std::size_t(g_.q_heads) * g_.head_dim;
   const float* q = static_cast<const float*>(st.q);
   float* out = static_cast<float*>(st.out);
   if (st.selections) st.selections->resize(st.partitions.size());
   std::vector<uint32_t> parts;
   std::vector<const PageList*> lists;
-  std::vector<float> wq, wout;
-  std::vector<PageSelection> wsel;
-  for (const std::vector<int>& wave : waves) {
-    parts.clear(), lists.clear();
-    wq.resize(wave.size() * row), wout.resize(wave.size() * row);
-    for (std::size_t j = 0; j < wave.size(); ++j) {
-      parts.push_back(st.partitions[wave[j]]);
-      lists.push_back(st.lists[wave[j]]);
-      std::copy_n(q + wave[j] * row, row, wq.data() + j * row);
-    }
-    Step w = st;
-    w.partitions = parts;
-    w.lists = lists;
-    w.q = wq.data();
-    w.out = wout.data();
-    w.selections = st.selections ? &wsel : nullptr;
-    QKV_RETURN_IF_ERROR(DecodeStep(w));
-    for (std::size_t j = 0; j < wave.size(); ++j) {
-      std::copy_n(wout.data() + j * row, row, out + wave[j] * row);
-      if (st.selections) (*st.selections)[wave[j]] = std::move(wsel[j]);
-    }
+  std::vector<float> pq(rows.size() * row), pout(rows.size() * row);
+  std::vector<PageSelection> psel;
+  for (std::size_t j = 0; j < rows.size(); ++j) {
+    parts.push_back(st.partitions[rows[j]]);
+    lists.push_back(st.lists[rows[j]]);
+    std::copy_n(q + rows[j] * row, row, pq.data() + j * row);
+  }
+  Step part = st;
+  part.partitions = parts;
+  part.lists = lists;
+  part.q = pq.data();
+  part.out = pout.data();
+  part.selections = st.selections ? &psel : nullptr;
+  QKV_RETURN_IF_ERROR(DecodeStep(part));
+  for (std::size_t j = 0; j < rows.size(); ++j) {
+    std::copy_n(pout.data() + j * row, row, out + rows[j] * row);
+    if (st.selections) (*st.selections)[rows[j]] = std::move(psel[j]);
   }
   return Status::Ok();
 }
@@ -127,8 +126,9 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   QKV_RETURN_IF_ERROR(ReturnSelections(s, p));
   int64_t reported = 0;
   QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/false, &reported));
-  if (s.selected && !p.want_sel) *s.selected += p.note ? reported : p.entries;  // entries: exact for max/mean
-                                                                                 // and dense; union rows may use less
+  // entries: exact for max/mean and dense; union rows may use less. A block
+  // step's report counts its lists' unions, not its rows.
+  if (s.selected && !p.want_sel) *s.selected += p.note && !p.block ? reported : p.entries;
   p.clock.Mark(kReadback);  // selections, timings, reports
   return Status::Ok();
 }
@@ -180,29 +180,76 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   p.max_row = 0;
   for (int r = 0; r < p.rows; ++r)
     p.max_row = std::max(p.max_row, p.splan.out_indptr[r + 1] - p.splan.out_indptr[r]);
+  PlanLists(s, p);
   return Status::Ok();
 }
 
-// Each partition's list holds at least what its sequence may select. (Needs
-// first: a list grown here may lend only beyond its own need.)
-Status CudaBackendImpl::GrowLists(const StepArgs& s, StepPlan& p) {
+// The resolve's sequences: one per distinct list; a list's page table is
+// its longest row's (the others' views are prefixes of it), its union rows
+// hold what its rows' rows of one head may select together.
+void CudaBackendImpl::PlanLists(const StepArgs& s, StepPlan& p) {
   const int B = p.B, H = g_.kv_heads;
-  const std::vector<int32_t>& sel_indptr = p.splan.out_indptr;
-  std::vector<int64_t> prev_need(B);
+  std::vector<int> list_of(B);
+  p.lists.clear();
   for (int b = 0; b < B; ++b) {
-    prev_need[b] = parts_[s.partitions[b]].last_need;
-    parts_[s.partitions[b]].last_need = sel_indptr[(b + 1) * H] - sel_indptr[b * H];
+    const auto it = std::find(p.lists.begin(), p.lists.end(), s.partitions[b]);
+    list_of[b] = int(it - p.lists.begin());
+    if (it == p.lists.end()) p.lists.push_back(s.partitions[b]);
+  }
+  p.L = int(p.lists.size());
+  p.block = p.L < B;
+  p.members_indptr.assign(p.L + 1, 0);
+  for (int b = 0; b < B; ++b) ++p.members_indptr[list_of[b] + 1];
+  for (int l = 0; l < p.L; ++l) p.members_indptr[l + 1] += p.members_indptr[l];
+  p.members.assign(B, 0);
+  std::vector<int32_t> fill(p.members_indptr.begin(), p.members_indptr.end() - 1);
+  for (int b = 0; b < B; ++b) p.members[fill[list_of[b]]++] = b;
+  p.list_start.assign(p.L + 1, p.page_indptr[B]);
+  p.list_pages.assign(p.L, 0);
+  for (int b = 0; b < B; ++b) {
+    const int l = list_of[b];
+    if (p.counts[b] >= p.list_pages[l]) {
+      p.list_pages[l] = p.counts[b];
+      p.list_start[l] = p.page_indptr[b];
+    }
+  }
+  if (!p.block) {
+    p.uentries = p.entries;
+    return;
+  }
+  const std::vector<int32_t>& sel = p.splan.out_indptr;
+  p.usel_indptr.assign(std::size_t(p.L) * H + 1, 0);
+  for (int l = 0; l < p.L; ++l)
+    for (int h = 0; h < H; ++h) {
+      int64_t cap = 0;
+      for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
+        cap += sel[p.members[m] * H + h + 1] - sel[p.members[m] * H + h];
+      const int ur = l * H + h;
+      p.usel_indptr[ur + 1] = p.usel_indptr[ur] + int32_t(std::min<int64_t>(cap, p.list_pages[l]));
+    }
+  p.uentries = p.usel_indptr.back();
+}
+
+// Each list holds at least what its rows may select. (Needs first: a list
+// grown here may lend only beyond its own need.)
+Status CudaBackendImpl::GrowLists(const StepArgs&, StepPlan& p) {
+  const int L = p.L, H = g_.kv_heads;
+  const std::vector<int32_t>& sel_indptr = p.block ? p.usel_indptr : p.splan.out_indptr;
+  std::vector<int64_t> prev_need(L);
+  for (int l = 0; l < L; ++l) {
+    prev_need[l] = parts_[p.lists[l]].last_need;
+    parts_[p.lists[l]].last_need = sel_indptr[(l + 1) * H] - sel_indptr[l * H];
   }
   p.clock.Mark(kPlan);
-  for (int b = 0; b < B; ++b) {
-    if (Status st = GrowList(s.partitions[b]); !st.ok()) {
-      for (int i = 0; i < B; ++i) parts_[s.partitions[i]].last_need = prev_need[i];  // as before the call
+  for (int l = 0; l < L; ++l) {
+    if (Status st = GrowList(p.lists[l]); !st.ok()) {
+      for (int i = 0; i < L; ++i) parts_[p.lists[i]].last_need = prev_need[i];  // as before the call
       return st;
     }
   }
   p.clock.Mark(kGrow);
-  p.part_indptr.assign(B + 1, 0);
-  for (int b = 0; b < B; ++b) p.part_indptr[b + 1] = p.part_indptr[b] + int32_t(parts_[s.partitions[b]].owned.size());
+  p.part_indptr.assign(L + 1, 0);
+  for (int l = 0; l < L; ++l) p.part_indptr[l + 1] = p.part_indptr[l] + int32_t(parts_[p.lists[l]].owned.size());
   return Status::Ok();
 }
 
@@ -212,12 +259,13 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   // The attention fetches the misses itself (their PCIe round trips overlap
   // its reads of the hits), unless a strict step resolves twice: its first
   // resolve's fills must land before the second classifies them as hits.
-  p.fill_in_attention = !p.cold_waits && c_.cuda_fill_in_attention;
+  // A block step's rows attend slots of the union's resolve: filled first.
+  p.fill_in_attention = !p.cold_waits && !p.block && c_.cuda_fill_in_attention;
   // The first misses of a call (up to kStageBytes of head-pages; a recent
   // query's ~55 a layer, a topic query's ~850) are fetched while the victims
   // are chosen; the attention reads any beyond from their homes.
   const int stage_pages = c_.cuda_stage_misses ? int(kStageBytes / (2 * piece())) : 0;
-  kc::ResolveShape rshape{p.B, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
+  kc::ResolveShape rshape{p.L, g_.kv_heads, g_.page_size, g_.head_dim, p.dt,
                           p.strict ? ColdMissPolicy::kStrict : ColdMissPolicy::kDeadline, p.fill_in_attention,
                           stage_pages};
   rshape.chain = c_.cuda_chain_kernels;
@@ -225,7 +273,7 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   // attention waits for it), so the half-grid default, which leaves SMs to
   // work on other streams, would only slow it.
   std::string err;
-  if (!kc::PlanResolve(rshape, p.entries, p.part_indptr[p.B], sms_, sms_, &p.rplan, &err))
+  if (!kc::PlanResolve(rshape, p.uentries, p.part_indptr[p.L], sms_, sms_, &p.rplan, &err))
     return Status::InvalidArgument(err);
   kc::AttendShape ashape{p.rows, g_.kv_heads, g_.group(), g_.head_dim, g_.page_size, p.dt};
   ashape.chain = c_.cuda_chain_kernels;
@@ -250,10 +298,16 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
   QKV_RETURN_IF_ERROR(o_.Reserve(qbytes));
   QKV_RETURN_IF_ERROR(sel_pages_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
-  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.uentries, 1) * 4));
   QKV_RETURN_IF_ERROR(sel_count_.Reserve(p.rows * 4));
-  QKV_RETURN_IF_ERROR(res_count_.Reserve(p.rows * 4));
-  p.qcap = int(std::max<int64_t>(p.entries, 1));
+  QKV_RETURN_IF_ERROR(res_count_.Reserve(std::size_t(p.L) * g_.kv_heads * 4));
+  if (p.block) {
+    QKV_RETURN_IF_ERROR(usel_pages_.Reserve(std::max<int64_t>(p.uentries, 1) * 4));
+    QKV_RETURN_IF_ERROR(usel_count_.Reserve(std::size_t(p.L) * g_.kv_heads * 4));
+    QKV_RETURN_IF_ERROR(blk_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
+    QKV_RETURN_IF_ERROR(blk_count_.Reserve(p.rows * 4));
+  }
+  p.qcap = int(std::max<int64_t>(p.uentries, 1));
   p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
   QKV_RETURN_IF_ERROR(queues_.Reserve(2 * p.qbytes_req + 256));
   QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, 1})));
@@ -268,10 +322,14 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
     QKV_RETURN_IF_ERROR(att_ws_.Reserve(p.aplan.workspace_bytes));
     att_ws_zeroed_ = 0;
   }
-  if (att_ws_zeroed_ < att_ws_.bytes()) {
-    QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, att_ws_.bytes(), stream_));
-    att_ws_zeroed_ = att_ws_.bytes();
+  // The attention's counters lie before its partials, where a launch of
+  // fewer rows wrote partials: zeroed again for more rows (in stream order,
+  // before the launch, graph or not).
+  if (att_ws_zeroed_ < p.aplan.counter_bytes) {
+    QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, p.aplan.counter_bytes, stream_));
+    att_ws_zeroed_ = p.aplan.counter_bytes;
   }
+  if (p.aplan.counter_bytes > 0) att_ws_zeroed_ = p.aplan.counter_bytes;  // its partials follow
   IoLayout& io = p.io;
   io.out = 0;
   io.totals = io.out + Align256(s.host_f32 ? p.qelems * 4 : 0);
@@ -292,13 +350,14 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   return Status::Ok();
 }
 
-// Header: page_indptr [B+1] | sel_indptr [rows+1] | part_indptr [B+1] |
-// last_len [B] | part_lists [B] (pointers) | use mark (int64).
+// Header: page_indptr [B+1] | sel_indptr [rows+1] | cand_indptr [rows+1]
+// (re-rank) | part_indptr [L+1] | last_len [B] | list_start [L+1] |
+// usel_indptr [L*Hkv+1] and members_indptr [L+1] | members [B] (block) |
+// part_lists [L] (pointers) | use mark (int64).
 // The use mark is new at every launch, not the decode step: the resolve's
-// victims are the list slots not marked by this launch, and the waves of
-// one block decode the same partitions within one step (with the step as
-// the mark, a later wave would find the slots an earlier wave used taken).
-void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
+// victims are the list slots not marked by this launch, and a caller may
+// decode one list several times a step.
+void CudaBackendImpl::PackHeader(const StepArgs&, StepPlan& p) {
   std::vector<int32_t>& hdr = p.hdr;
   hdr.assign(p.page_indptr.begin(), p.page_indptr.end());
   p.o_sel = hdr.size();
@@ -309,14 +368,23 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
   hdr.insert(hdr.end(), p.part_indptr.begin(), p.part_indptr.end());
   p.o_last = hdr.size();
   hdr.insert(hdr.end(), p.last_len.begin(), p.last_len.end());
+  p.o_lstart = hdr.size();
+  hdr.insert(hdr.end(), p.list_start.begin(), p.list_start.end());
+  if (p.block) {
+    p.o_usel = hdr.size();
+    hdr.insert(hdr.end(), p.usel_indptr.begin(), p.usel_indptr.end());
+    p.o_members = hdr.size();
+    hdr.insert(hdr.end(), p.members_indptr.begin(), p.members_indptr.end());
+    hdr.insert(hdr.end(), p.members.begin(), p.members.end());
+  }
   if (hdr.size() % 2) hdr.push_back(0);
   p.o_lists = hdr.size();
-  hdr.resize(hdr.size() + 2 * p.B + 2);
-  for (int b = 0; b < p.B; ++b) {
-    int32_t* list = parts_[s.partitions[b]].list.as<int32_t>();
-    std::memcpy(hdr.data() + p.o_lists + 2 * b, &list, sizeof(list));
+  hdr.resize(hdr.size() + 2 * p.L + 2);
+  for (int l = 0; l < p.L; ++l) {
+    int32_t* list = parts_[p.lists[l]].list.as<int32_t>();
+    std::memcpy(hdr.data() + p.o_lists + 2 * l, &list, sizeof(list));
   }
-  p.o_step = p.o_lists + 2 * p.B;
+  p.o_step = p.o_lists + 2 * p.L;
   p.use_mark = ++use_marks_;
   std::memcpy(hdr.data() + p.o_step, &p.use_mark, sizeof(int64_t));
 }
@@ -326,11 +394,11 @@ kc::ResolveParams CudaBackendImpl::ResolveParamsFor(const StepArgs& s, const Ste
   kc::ResolveParams rp;
   rp.step = p.use_mark;
   rp.step_ptr = reinterpret_cast<const int64_t*>(p.d_hdr + p.o_step);
-  rp.page_indptr = p.d_hdr;
+  rp.page_indptr = p.d_hdr + p.o_lstart;
   rp.page_ids = p.page_ids;
-  rp.sel_indptr = p.d_hdr + p.o_sel;
-  rp.sel_count = sel_count_.as<int32_t>();
-  rp.sel_pages = sel_pages_.as<int32_t>();
+  rp.sel_indptr = p.d_hdr + (p.block ? p.o_usel : p.o_sel);
+  rp.sel_count = (p.block ? usel_count_ : sel_count_).as<int32_t>();
+  rp.sel_pages = (p.block ? usel_pages_ : sel_pages_).as<int32_t>();
   rp.host_addr = host_addr_.as<const void* const>();
   rp.hbm_slot = hbm_slot_.as<int32_t>();
   rp.slot_page = slot_page_.as<uint32_t>();

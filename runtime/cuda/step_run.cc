@@ -103,16 +103,45 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     QKV_CUDA(kc::LaunchSelect(p.splan, sp, stream_));
   }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[1], stream_));
+  if (p.block) {  // each list's rows' selections, united
+    kc::BlockUnionParams up;
+    up.lists = p.L;
+    up.kv_heads = g_.kv_heads;
+    up.max_pages = *std::max_element(p.list_pages.begin(), p.list_pages.end());
+    up.members_indptr = p.d_hdr + p.o_members;
+    up.members = p.d_hdr + p.o_members + p.L + 1;
+    up.sel_indptr = sp.out_indptr;
+    up.sel_count = sp.out_count;
+    up.sel_pages = sp.out_pages;
+    up.out_indptr = p.rp.sel_indptr;
+    up.out_pages = usel_pages_.as<int32_t>();
+    up.out_count = usel_count_.as<int32_t>();
+    QKV_CUDA(kc::LaunchBlockUnion(up, stream_));
+  }
   QKV_CUDA(kc::LaunchResolve(p.rplan, p.rp, stream_));
   if (!capturing && p.cold_waits) QKV_RETURN_IF_ERROR(SettleCold(s, p));
+  if (p.block) {  // each row's own entries' slots, now filled
+    kc::BlockSlotsParams bp;
+    bp.rows = p.rows;
+    bp.kv_heads = g_.kv_heads;
+    bp.sel_indptr = sp.out_indptr;
+    bp.sel_count = sp.out_count;
+    bp.sel_pages = sp.out_pages;
+    bp.page_indptr = p.d_hdr;
+    bp.page_ids = p.page_ids;
+    bp.hbm_slot = hbm_slot_.as<int32_t>();
+    bp.out_slots = blk_slots_.as<int32_t>();
+    bp.out_count = blk_count_.as<int32_t>();
+    QKV_CUDA(kc::LaunchBlockSlots(bp, stream_));
+  }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[2], stream_));
   kc::AttendParams ap;
   ap.scale = 1.f / std::sqrt(float(g_.head_dim));
   ap.q = p.q;
   ap.slots = pool_.as();
   ap.indptr = p.d_hdr + p.o_sel;
-  ap.count = res_count_.as<int32_t>();
-  ap.slot_ids = res_slots_.as<int32_t>();
+  ap.count = (p.block ? blk_count_ : res_count_).as<int32_t>();
+  ap.slot_ids = (p.block ? blk_slots_ : res_slots_).as<int32_t>();
   ap.last_len = p.d_hdr + p.o_last;
   ap.o = s.host_f32 ? o_.as() : s.out;
   ap.workspace = att_ws_.as();
@@ -148,8 +177,8 @@ Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
     shape.push_back(s.partitions[b]);
     shape.push_back(int64_t(reinterpret_cast<uintptr_t>(parts_[s.partitions[b]].pages.as())));
     sizes.push_back(p.counts[b]);
-    sizes.push_back(p.part_indptr[b + 1] - p.part_indptr[b]);
   }
+  for (int l = 0; l < p.L; ++l) sizes.push_back(p.part_indptr[l + 1] - p.part_indptr[l]);
   const int64_t captured = graphs_captured_;
   QKV_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(shape, sizes, [&] { return Enqueue(s, p, true); }));
   if (s.graphs_captured) *s.graphs_captured += graphs_captured_ - captured;
@@ -234,9 +263,10 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
     QKV_RETURN_IF_ERROR(ApplyReport(*r, nullptr));
   }
   const bool dense = p.shape.dense;
+  const int rows = p.L * g_.kv_heads;  // what the resolve saw: a block step's lists' union rows
   r->cold_cap = std::min(p.qcap, kReportedColdMisses);
-  r->o_counts = Align256(std::size_t(p.entries) * 4);
-  r->o_cold_count = r->o_counts + Align256(std::size_t(p.rows) * 4);
+  r->o_counts = Align256(std::size_t(p.uentries) * 4);
+  r->o_cold_count = r->o_counts + Align256(std::size_t(rows) * 4);
   r->o_cold = r->o_cold_count + 256;
   const std::size_t bytes = r->o_cold + std::size_t(r->cold_cap) * sizeof(kc::ResolveRequest);
   if (bytes > r->cap) {  // nothing queued writes it: it was applied above
@@ -251,12 +281,12 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
     r->dev = static_cast<char*>(dev);
   }
   kc::StepReportParams rp;
-  rp.sel_indptr = p.d_hdr + p.o_sel;
-  rp.sel_count = sel_count_.as<int32_t>();
-  rp.sel_pages = sel_pages_.as<int32_t>();
-  rp.page_indptr = p.d_hdr;
+  rp.sel_indptr = p.rp.sel_indptr;
+  rp.sel_count = p.rp.sel_count;
+  rp.sel_pages = p.rp.sel_pages;
+  rp.page_indptr = p.rp.page_indptr;
   rp.page_ids = p.page_ids;
-  rp.rows = p.rows;
+  rp.rows = rows;
   rp.kv_heads = g_.kv_heads;
   rp.first_head_only = dense;  // each row of a dense layer selects every page
   rp.cold = p.rp.cold;
@@ -273,10 +303,10 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
   r->step = s.step;
   r->strict = p.strict;
   r->first_head_only = dense;
-  r->rows = p.rows;
+  r->rows = rows;
   r->kv_heads = g_.kv_heads;
-  r->sel_indptr = p.splan.out_indptr;
-  r->page_counts = p.counts;
+  r->sel_indptr = p.block ? p.usel_indptr : p.splan.out_indptr;
+  r->page_counts = p.list_pages;
   return Status::Ok();
 }
 

@@ -428,7 +428,8 @@ TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
 // rejected (their slots go free), some rollbacks end inside a held page. A
 // draft page reaches the host only once accepted. Then both runtimes hold
 // the same tokens, decode alike one token at a time, and one HBM small
-// enough to evict gives the same bits as one holding everything.
+// enough to evict (too small for a block's union: its blocks go in parts)
+// gives the same bits as one holding everything for single tokens.
 TEST(CudaSequences, DraftBlocksMatchCpu) {
   for (const SummaryDType sum : {SummaryDType::kKv, SummaryDType::kE4M3}) {
     SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
@@ -477,7 +478,9 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
           ASSERT_TRUE(st.ok()) << "runtime " << i << ": " << st.ToString();
         }
         EXPECT_LE(test::RelL2Error(outs[1].data(), outs[0].data(), q.size()), c.tol) << "layer " << l;
-        EXPECT_EQ(outs[2], outs[1]) << "layer " << l << ": a small HBM changed the outputs";
+        // The small HBM cannot hold a block's union: it verifies in several
+        // launches, whose attention splits its rows differently (float order).
+        EXPECT_LE(test::RelL2Error(outs[2].data(), outs[0].data(), q.size()), c.tol) << "layer " << l;
       }
       for (int i = 0; i < 3; ++i)
         EXPECT_EQ(rts[i]->tier_stats().bytes_hbm_to_host, sealed_before[i]) << "runtime " << i << " sealed a draft";
@@ -526,6 +529,28 @@ TEST(CudaSequences, SharedBlockSelectionIsRefused) {
   if (!rt.ok() && rt.status().code() == Code::kFailedPrecondition) GTEST_SKIP() << rt.status().ToString();
   ASSERT_FALSE(rt.ok());
   EXPECT_EQ(rt.status().code(), Code::kUnimplemented) << rt.status().ToString();
+}
+
+// The attention keeps per-row counters before its splits' partials: a batch
+// of more rows than the call before it finds its extra counters where that
+// call's partials were, and must still match the CPU backend.
+TEST(CudaApi, ALargerBatchAfterASmallerOneMatchesCpu) {
+  const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5};
+  const Config cfg = MakeConfig(Backend::kCuda, c);
+  QKV_CREATE_CUDA(gpu, cfg);
+  auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+  ASSERT_TRUE(cpu.ok());
+  Twins tw({cpu->get(), gpu.get()}, cfg.geometry, c.dtype);
+  std::vector<std::vector<SeqId>> seqs;
+  for (int i = 0; i < 40; ++i) {  // 80 rows: counters past the first 64 rows' 256 bytes
+    seqs.push_back(tw.NewSeq());
+    tw.Append(seqs.back(), 90 + 7 * i, 64);
+  }
+  for (int l = 0; l < cfg.geometry.layers; ++l) {
+    tw.Decode(seqs, l, c.tol);
+    tw.Decode({seqs[39]}, l, c.tol);
+    tw.Decode(seqs, l, c.tol);
+  }
 }
 
 // Device pointers in the model dtype give the same bits as the host API.
