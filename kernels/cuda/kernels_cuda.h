@@ -496,6 +496,12 @@ struct BlockSlotsParams {
 };
 cudaError_t LaunchBlockSlots(const BlockSlotsParams& p, cudaStream_t stream);
 
+// A batch's page tables side by side: dst[indptr[b] + i] = src[b][i] for i
+// below indptr[b + 1] - indptr[b]. One kernel, not a copy (a graph node) per
+// sequence: a verified block has a row per position.
+cudaError_t LaunchGatherPageIds(const uint32_t* const* src, const int32_t* indptr, int batch, uint32_t* dst,
+                                cudaStream_t stream);
+
 // dst[i] = (To) src[i] for n elements.
 cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream);
 

@@ -1,8 +1,8 @@
 // Small kernels the CUDA backend (runtime/cuda/) needs around the
 // decode-step kernels: batched edits of the device tables, the seal copy
 // (tail slots -> pinned host home, the mirror of the resolve gather), the
-// step report (what the host reads of a step, one call later) and dtype
-// conversion of host-API inputs and outputs.
+// step report (what the host reads of a step, one call later), a batch's
+// page tables gathered, and dtype conversion of host-API inputs and outputs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
@@ -83,6 +83,14 @@ __global__ void StepReportKernel(StepReportParams p) {
   for (int32_t i = threadIdx.x; i < n; i += blockDim.x) p.cold_out[i] = p.cold[i];
 }
 
+// A block per sequence: its page ids from src[b] to dst at indptr[b].
+__global__ void GatherPageIdsKernel(const uint32_t* const* src, const int32_t* indptr, uint32_t* dst) {
+  const int b = blockIdx.x;
+  const int32_t first = indptr[b], n = indptr[b + 1] - first;
+  const uint32_t* from = src[b];
+  for (int32_t i = threadIdx.x; i < n; i += blockDim.x) dst[first + i] = from[i];
+}
+
 template <typename From, typename To>
 __global__ void ConvertKernel(const From* __restrict__ src, To* __restrict__ dst, std::size_t n) {
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
@@ -116,6 +124,14 @@ cudaError_t LaunchStepReport(const StepReportParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.cold_cap < 0 || !p.counts || !p.cold_out_count || !p.cold_count || !p.sel_indptr)
     return cudaErrorInvalidValue;
   StepReportKernel<<<p.rows + 1, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherPageIds(const uint32_t* const* src, const int32_t* indptr, int batch, uint32_t* dst,
+                                cudaStream_t stream) {
+  if (batch <= 0) return cudaSuccess;
+  if (!src || !indptr || !dst) return cudaErrorInvalidValue;
+  GatherPageIdsKernel<<<batch, kThreads, 0, stream>>>(src, indptr, dst);
   return cudaGetLastError();
 }
 

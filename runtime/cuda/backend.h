@@ -385,6 +385,7 @@ class CudaBackendImpl final : public DataPlane {
     std::vector<int32_t> hdr;
     std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
     std::size_t o_lstart = 0, o_usel = 0, o_members = 0;  // block steps
+    std::size_t o_srcs = 0;                               // B > 1
     int64_t use_mark = 0;  // this launch's (PackHeader)
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;

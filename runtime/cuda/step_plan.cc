@@ -353,11 +353,12 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
 // Header: page_indptr [B+1] | sel_indptr [rows+1] | cand_indptr [rows+1]
 // (re-rank) | part_indptr [L+1] | last_len [B] | list_start [L+1] |
 // usel_indptr [L*Hkv+1] and members_indptr [L+1] | members [B] (block) |
-// part_lists [L] (pointers) | use mark (int64).
+// part_lists [L] (pointers) | use mark (int64) | rows' page tables [B]
+// (pointers, B > 1).
 // The use mark is new at every launch, not the decode step: the resolve's
 // victims are the list slots not marked by this launch, and a caller may
 // decode one list several times a step.
-void CudaBackendImpl::PackHeader(const StepArgs&, StepPlan& p) {
+void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
   std::vector<int32_t>& hdr = p.hdr;
   hdr.assign(p.page_indptr.begin(), p.page_indptr.end());
   p.o_sel = hdr.size();
@@ -387,6 +388,14 @@ void CudaBackendImpl::PackHeader(const StepArgs&, StepPlan& p) {
   p.o_step = p.o_lists + 2 * p.L;
   p.use_mark = ++use_marks_;
   std::memcpy(hdr.data() + p.o_step, &p.use_mark, sizeof(int64_t));
+  if (p.B > 1) {  // each row's page table, gathered into batch_pages_
+    p.o_srcs = hdr.size();
+    hdr.resize(hdr.size() + 2 * p.B);
+    for (int b = 0; b < p.B; ++b) {
+      const uint32_t* src = parts_[s.partitions[b]].pages.as<uint32_t>();
+      std::memcpy(hdr.data() + p.o_srcs + 2 * b, &src, sizeof(src));
+    }
+  }
 }
 
 kc::ResolveParams CudaBackendImpl::ResolveParamsFor(const StepArgs& s, const StepPlan& p) {

@@ -51,9 +51,8 @@ Status CudaBackendImpl::SettleCold(const StepArgs& s, StepPlan& p) {
 // a graph holds no per-call host address.
 Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) {
   if (p.B > 1)
-    for (int b = 0; b < p.B; ++b)
-      QKV_CUDA(cudaMemcpyAsync(batch_pages_.as<uint32_t>() + p.page_indptr[b], parts_[s.partitions[b]].pages.as(),
-                               std::size_t(p.counts[b]) * 4, cudaMemcpyDeviceToDevice, stream_));
+    QKV_CUDA(kc::LaunchGatherPageIds(reinterpret_cast<const uint32_t* const*>(p.d_hdr + p.o_srcs), p.d_hdr, p.B,
+                                     batch_pages_.as<uint32_t>(), stream_));
   if (s.host_f32 && g_.dtype != DType::kF32)
     QKV_CUDA(kc::LaunchConvert(q_f32_.as(), DType::kF32, q_.as(), p.dt, p.qelems, stream_));
   // Phase timing only when launched directly: cudaEventElapsedTime refuses
