@@ -1,5 +1,7 @@
 #include "selector/select.h"
 
+#include "core/constants.h"
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -83,7 +85,7 @@ Status Selector::Select(const SelectInput& in, PageSelection* out, PageSelection
       }
     } else {
       // The re-rank's candidates are the top ceil(rerank * k) by the bound.
-      if (grouped) ScoreGrouped(in, h, 0, G, p_.gqa, n, rerank ? int(std::min<double>(n, std::ceil(p_.rerank * k))) : k);
+      if (grouped) ScoreGrouped(in, h, 0, G, p_.gqa, n, rerank ? int(RerankCandidates(p_.rerank, k, n)) : k);
       Aggregate(h, n, p_.gqa);
       const int kh = adaptive ? AdaptiveK(agg_.data(), n, floor_k, k) : k;
       if (rerank) {
@@ -222,8 +224,7 @@ void Selector::EmitRunnersUp(int h, int n, int count, PageSelection* next) {
 // of them by exact score (a candidate without one keeps its bound), ties
 // toward the lower page.
 Status Selector::Rerank(const SelectInput& in, int kv_head, int n, int k) {
-  const double want = std::ceil(p_.rerank * double(k));
-  const int c = int(std::min<double>(want, double(n)));
+  const int c = int(RerankCandidates(p_.rerank, k, n));
   chosen_.resize(n);
   scratch_.resize(n);
   const int got = kernels::TopKCpu(agg_.data(), n, skip_.data(), c, chosen_.data(), scratch_.data());

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/constants.h"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
 #include "kernels/cuda/select_common.cuh"
@@ -42,7 +43,7 @@ int64_t WidenedBudget(const SelectShape& s, double rerank) {
   const int64_t fixed = int64_t(s.sink_pages) + std::max(s.local_pages, 1);
   const int64_t k = s.page_budget - fixed;
   if (k <= 0) return s.page_budget;
-  return fixed + int64_t(std::ceil(rerank * double(k)));
+  return fixed + RerankCandidates(rerank, k, INT64_MAX);
 }
 
 template <typename T>

@@ -47,14 +47,11 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
     stats->head_pages_total += pages * g_.kv_heads;
     if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages) {
       stats->summary_bytes_read += pages * int64_t(summary_bytes());
-      // The re-rank reads its candidates' keys (select.cc's count).
+      // The re-rank reads its candidates' keys.
       if (c_.policy.rerank > 0) {
-        const int64_t sink = std::min<int64_t>(c_.policy.sink_pages, pages);
-        const int64_t local = std::min<int64_t>(std::max(c_.policy.local_pages, 1), pages);
-        const int64_t fixed = sink + local < pages ? sink + local : pages;
-        const int64_t k = std::max<int64_t>(0, pages_budget - fixed);
-        const int64_t c = std::min<int64_t>(int64_t(std::ceil(c_.policy.rerank * double(k))), pages);
-        stats->rerank_key_bytes += std::min(c, pages - fixed) * g_.kv_heads * int64_t(piece());
+        const int64_t fixed = std::min<int64_t>(c_.policy.sink_pages + std::max(c_.policy.local_pages, 1), pages);
+        stats->rerank_key_bytes += RerankCandidates(c_.policy.rerank, pages_budget - fixed, pages - fixed) *
+                                   g_.kv_heads * int64_t(piece());
       }
     }
   }
