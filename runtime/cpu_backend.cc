@@ -133,12 +133,13 @@ class CpuBackend final : public DataPlane {
   }
   // The hierarchical scan's group boxes (SelectInput::group_slab) for the n
   // pages `ids` of partition `part`: a group is rebuilt from its page boxes
-  // when its pages changed (ids, generations) or one of them is unsealed (a
-  // tail's box grows); *rebuilt counts the page boxes read to do so.
+  // when its pages changed (ids, generations) or one of them was unsealed
+  // when it was built (a tail's box grows, then seals); *rebuilt counts the
+  // page boxes read to do so.
   const float* GroupSlab(uint32_t part, const uint32_t* ids, int n, int64_t* rebuilt);
   struct GroupBoxes {
     std::vector<std::pair<PageId, uint32_t>> pages;  // (id, generation) per logical page
-    std::vector<int> count;                          // pages per group when built
+    std::vector<int> count;                          // pages per group when built; -1: not reusable
     std::vector<float> boxes;                        // [group][Hkv][2][D]
   };
 
@@ -542,7 +543,9 @@ const float* CpuBackend::GroupSlab(uint32_t part, const uint32_t* ids, int n, in
       std::fill_n(dst + h * 2 * D, D, std::numeric_limits<float>::infinity());
       std::fill_n(dst + h * 2 * D + D, D, -std::numeric_limits<float>::infinity());
     }
+    bool sealed = true;
     for (int j = 0; j < count; ++j) {
+      sealed = sealed && mover_->sealed(ids[p0 + j]);
       const float* src = summaries_->page(ids[p0 + j]);
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < D; ++d) {
@@ -553,7 +556,9 @@ const float* CpuBackend::GroupSlab(uint32_t part, const uint32_t* ids, int n, in
         }
       gb.pages[p0 + j] = {ids[p0 + j], ids_->generation(ids[p0 + j])};
     }
-    gb.count[grp] = count;
+    // A box built over a page still filling is stale once that page gains
+    // keys, sealed or not: such a group is never reused.
+    gb.count[grp] = sealed ? count : -1;
     *rebuilt += count;
   }
   return gb.boxes.data();
