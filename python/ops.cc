@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <memory>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/kernels_cpu.h"
@@ -71,8 +73,7 @@ int64_t Int(const c10::Dict<std::string, std::string>& d, const std::string& key
 
 template <typename T>
 T Narrow(int64_t v, const std::string& key) {
-  TORCH_CHECK(v >= std::numeric_limits<T>::min() && v <= std::numeric_limits<T>::max(), "questkv.Runtime: ", key,
-              " = ", v, " is out of range");
+  TORCH_CHECK(std::in_range<T>(v), "questkv.Runtime: ", key, " = ", v, " is out of range");
   return T(v);
 }
 

@@ -309,6 +309,8 @@ class OwnedCache(unittest.TestCase):
             (lambda: rt.rollback(s, 21), "rollback"),
             (lambda: questkv.Runtime(layers=2, q_heads=6, kv_heads=4), "kv_heads"),
             (lambda: questkv.Runtime(layers=2, cold_miss="sometimes"), "cold-miss"),
+            (lambda: runtime(hbm_bytes=-1), "hbm_bytes = -1 is out of range"),
+            (lambda: runtime(max_pages=1 << 32), "max_pages"),
         ]
         for call, words in cases:
             with self.assertRaises(RuntimeError) as cm:
