@@ -247,8 +247,9 @@ class CudaBackendImpl final : public DataPlane {
     if (c_.cuda_profile_host && prof_.calls) {
       std::fprintf(stderr,
                    "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured, "
-                   "%lld updated in place\n",
-                   (long long)prof_.calls, prof_.Line().c_str(), (long long)graphs_captured_, (long long)graphs_updated_);
+                   "%lld updated in place (updates refused: %s)\n",
+                   (long long)prof_.calls, prof_.Line().c_str(), (long long)graphs_captured_, (long long)graphs_updated_,
+                   RefusalLine().c_str());
     }
     if (c_.cuda_profile_host && append_prof_.calls)
       std::fprintf(stderr, "questkv cuda append host profile, calls of fewer than %d tokens (%lld calls, us/call): %s\n",
@@ -623,6 +624,7 @@ class CudaBackendImpl final : public DataPlane {
         return it->second.exec;
       }
       (void)cudaGetLastError();  // the kernels differ: a new instantiation below
+      ++graph_update_refusals_[std::clamp(int(info.result), 0, kRefusalKinds - 1)];
       cudaGraphExecDestroy(it->second.exec);  // (launches already queued still run)
       graphs_.erase(it);
     }
@@ -649,6 +651,19 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t graphs_epoch_ = 0;
   int64_t graphs_captured_ = 0;  // instantiations
   int64_t graphs_updated_ = 0;   // executables updated in place
+  // Updates refused, by cudaGraphExecUpdateResult (profile line).
+  static constexpr int kRefusalKinds = 9;
+  int64_t graph_update_refusals_[kRefusalKinds] = {};
+  std::string RefusalLine() const {
+    static constexpr const char* kNames[kRefusalKinds] = {"none",           "error",    "topology",
+                                                          "node type",      "function", "parameters",
+                                                          "not supported",  "function change", "attributes"};
+    std::string line;
+    for (int i = 0; i < kRefusalKinds; ++i)
+      if (graph_update_refusals_[i])
+        line += (line.empty() ? "" : ", ") + std::string(kNames[i]) + " " + std::to_string(graph_update_refusals_[i]);
+    return line.empty() ? "none" : line;
+  }
   std::unordered_map<PageId, uint32_t> tail_owner_;  // page in some partition's tail slots -> partition
   // Full pages of draft tokens (Append with hold), until SealHeld or their
   // death: pinned slots in no list, no home.
