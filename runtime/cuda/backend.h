@@ -566,8 +566,7 @@ class CudaBackendImpl final : public DataPlane {
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
-      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_,
-      blk_slots_, blk_count_;
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_;
   std::size_t att_ws_zeroed_ = 0;  // bytes at the start of att_ws_ known zero (the attention's counters)
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
@@ -623,7 +622,7 @@ class CudaBackendImpl final : public DataPlane {
         ++graphs_updated_;
         return it->second.exec;
       }
-      (void)cudaGetLastError();  // the kernels differ: a new instantiation below
+      (void)cudaGetLastError();  // refused (graph_update_refusals_ says why): a new instantiation below
       ++graph_update_refusals_[std::clamp(int(info.result), 0, kRefusalKinds - 1)];
       cudaGraphExecDestroy(it->second.exec);  // (launches already queued still run)
       graphs_.erase(it);

@@ -295,14 +295,15 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
   QKV_RETURN_IF_ERROR(o_.Reserve(qbytes));
   QKV_RETURN_IF_ERROR(sel_pages_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
-  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.uentries, 1) * 4));
+  // The attention's slots and counts: the resolve's, or a block step's
+  // BlockSlots written over them (a union row holds at most its rows'
+  // entries, and there are fewer lists than rows).
+  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
   QKV_RETURN_IF_ERROR(sel_count_.Reserve(p.rows * 4));
-  QKV_RETURN_IF_ERROR(res_count_.Reserve(std::size_t(p.L) * g_.kv_heads * 4));
+  QKV_RETURN_IF_ERROR(res_count_.Reserve(p.rows * 4));
   if (p.block) {
     QKV_RETURN_IF_ERROR(usel_pages_.Reserve(std::max<int64_t>(p.uentries, 1) * 4));
     QKV_RETURN_IF_ERROR(usel_count_.Reserve(std::size_t(p.L) * g_.kv_heads * 4));
-    QKV_RETURN_IF_ERROR(blk_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
-    QKV_RETURN_IF_ERROR(blk_count_.Reserve(p.rows * 4));
   }
   p.qcap = int(std::max<int64_t>(p.uentries, 1));
   p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
@@ -322,10 +323,7 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   // The attention's counters lie before its partials, where a launch of
   // fewer rows wrote partials: zeroed again for more rows (in stream order,
   // before the launch, graph or not).
-  if (att_ws_zeroed_ < p.aplan.counter_bytes) {
-    QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, p.aplan.counter_bytes, stream_));
-    att_ws_zeroed_ = p.aplan.counter_bytes;
-  }
+  if (att_ws_zeroed_ < p.aplan.counter_bytes) QKV_CUDA(cudaMemsetAsync(att_ws_.as(), 0, p.aplan.counter_bytes, stream_));
   if (p.aplan.counter_bytes > 0) att_ws_zeroed_ = p.aplan.counter_bytes;  // its partials follow
   IoLayout& io = p.io;
   io.out = 0;

@@ -119,7 +119,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   }
   QKV_CUDA(kc::LaunchResolve(p.rplan, p.rp, stream_));
   if (!capturing && p.cold_waits) QKV_RETURN_IF_ERROR(SettleCold(s, p));
-  if (p.block) {  // each row's own entries' slots, now filled
+  if (p.block) {  // each row's own entries' slots, now filled, over the union rows' (read by nothing after)
     kc::BlockSlotsParams bp;
     bp.rows = p.rows;
     bp.kv_heads = g_.kv_heads;
@@ -129,8 +129,8 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     bp.page_indptr = p.d_hdr;
     bp.page_ids = p.page_ids;
     bp.hbm_slot = hbm_slot_.as<int32_t>();
-    bp.out_slots = blk_slots_.as<int32_t>();
-    bp.out_count = blk_count_.as<int32_t>();
+    bp.out_slots = res_slots_.as<int32_t>();
+    bp.out_count = res_count_.as<int32_t>();
     QKV_CUDA(kc::LaunchBlockSlots(bp, stream_));
   }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[2], stream_));
@@ -139,8 +139,8 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   ap.q = p.q;
   ap.slots = pool_.as();
   ap.indptr = p.d_hdr + p.o_sel;
-  ap.count = (p.block ? blk_count_ : res_count_).as<int32_t>();
-  ap.slot_ids = (p.block ? blk_slots_ : res_slots_).as<int32_t>();
+  ap.count = res_count_.as<int32_t>();
+  ap.slot_ids = res_slots_.as<int32_t>();
   ap.last_len = p.d_hdr + p.o_last;
   ap.o = s.host_f32 ? o_.as() : s.out;
   ap.workspace = att_ws_.as();
