@@ -11,11 +11,11 @@ namespace questkv::cuda_backend {
 Status CudaBackendImpl::ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out,
                                   const void** dev) {
   const std::size_t bytes = elems * DTypeBytes(g_.dtype);
-  QKV_RETURN_IF_ERROR(out.Reserve(bytes));
+  QKV_RETURN_IF_ERROR(out.Reserve(bytes, /*in_graphs=*/false));
   if (g_.dtype == DType::kF32) {
     QKV_RETURN_IF_ERROR(Upload(out.as(), host_f32, bytes));
   } else {
-    QKV_RETURN_IF_ERROR(f32.Reserve(elems * 4));
+    QKV_RETURN_IF_ERROR(f32.Reserve(elems * 4, /*in_graphs=*/false));
     QKV_RETURN_IF_ERROR(Upload(f32.as(), host_f32, elems * 4));
     QKV_CUDA(kc::LaunchConvert(f32.as(), DType::kF32, out.as(), g_.dtype, elems, stream_));
   }
@@ -299,7 +299,7 @@ Status CudaBackendImpl::RebuildSummary(const void* k_heads_host, PageId page, in
     return Upload(dst, codes.data(), codes.size());
   }
   // Through f32 on the device, converted exactly (the values are keys' values).
-  QKV_RETURN_IF_ERROR(summary_f32_.Reserve(summary.size() * sizeof(float)));
+  QKV_RETURN_IF_ERROR(summary_f32_.Reserve(summary.size() * sizeof(float), /*in_graphs=*/false));
   QKV_RETURN_IF_ERROR(Upload(summary_f32_.as(), summary.data(), summary.size() * sizeof(float)));
   QKV_CUDA(kc::LaunchConvert(summary_f32_.as(), DType::kF32, dst, sum_dtype(), summary.size(), stream_));
   return Status::Ok();
@@ -351,8 +351,8 @@ Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
   // stream: nothing waits.
   const int H = g_.kv_heads;
   const std::size_t row = std::size_t(g_.head_dim) * DTypeBytes(g_.dtype);
-  QKV_RETURN_IF_ERROR(kv_in_.Reserve(std::size_t(len) * H * row));
-  QKV_RETURN_IF_ERROR(v_in_.Reserve(std::size_t(len) * H * row));
+  QKV_RETURN_IF_ERROR(kv_in_.Reserve(std::size_t(len) * H * row, /*in_graphs=*/false));
+  QKV_RETURN_IF_ERROR(v_in_.Reserve(std::size_t(len) * H * row, /*in_graphs=*/false));
   QKV_RETURN_IF_ERROR(FlushUpdates());
   for (int h = 0; h < H; ++h) {
     QKV_CUDA(cudaMemcpy2DAsync(kv_in_.as<char>() + h * row, H * row, slot_ptr(P.tail[h]), row, row, len,

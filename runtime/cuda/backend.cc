@@ -227,9 +227,9 @@ Result<double> CudaBackendImpl::TimeDenseOffload(std::span<const PageList* const
     }
   if (jobs.empty()) return Status::FailedPrecondition("no page has a host home to stream from");
   DevBuf dst, meta;
-  QKV_RETURN_IF_ERROR(dst.Reserve(jobs.size() * head_page));
+  QKV_RETURN_IF_ERROR(dst.Reserve(jobs.size() * head_page, /*in_graphs=*/false));
   for (kc::GatherJob& j : jobs) j.dst = dst.as<char>() + reinterpret_cast<uintptr_t>(j.dst);
-  QKV_RETURN_IF_ERROR(meta.Reserve(jobs.size() * sizeof(kc::GatherJob) + 16));
+  QKV_RETURN_IF_ERROR(meta.Reserve(jobs.size() * sizeof(kc::GatherJob) + 16, /*in_graphs=*/false));
   const int32_t n = int32_t(jobs.size());
   QKV_CUDA(cudaMemcpyAsync(meta.as(), jobs.data(), jobs.size() * sizeof(kc::GatherJob), cudaMemcpyHostToDevice, stream_));
   auto* count = reinterpret_cast<int32_t*>(meta.as<char>() + jobs.size() * sizeof(kc::GatherJob));

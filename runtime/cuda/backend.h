@@ -51,6 +51,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -110,7 +111,8 @@ class DevBuf {
   // `in_graphs`: captured step graphs may bake the block's address in, so a
   // new block drops them (g_alloc_epoch). A partition's list and page mirror
   // pass false: the steps read the lists through their header and key their
-  // graphs by the page mirror's address.
+  // graphs by the page mirror's address; so do the append's staging buffers,
+  // which no step reads.
   Status Reserve(std::size_t bytes, bool in_graphs = true) {
     if (bytes <= n_) return Status::Ok();
     if (p_) QKV_CUDA(cudaDeviceSynchronize());  // queued work may still read the old block
@@ -121,6 +123,12 @@ class DevBuf {
     n_ = bytes;
     if (in_graphs) ++g_alloc_epoch;
     return Status::Ok();
+  }
+  // A step buffer whose size follows page counts and list lengths: rounded
+  // up to a power of two, so a growing sequence retires the step graphs a
+  // logarithmic number of times rather than at every new page.
+  Status Grow(std::size_t bytes) {
+    return bytes <= n_ ? Status::Ok() : Reserve(std::bit_ceil(std::max<std::size_t>(bytes, 256)));
   }
   template <typename T = void>
   T* as() const { return static_cast<T*>(p_); }
@@ -247,9 +255,9 @@ class CudaBackendImpl final : public DataPlane {
     if (c_.cuda_profile_host && prof_.calls) {
       std::fprintf(stderr,
                    "questkv cuda decode host profile (%lld calls, us/call): %s; %lld step graphs captured, "
-                   "%lld updated in place (updates refused: %s)\n",
+                   "%lld updated in place (updates refused: %s), %lld retired by new buffers\n",
                    (long long)prof_.calls, prof_.Line().c_str(), (long long)graphs_captured_, (long long)graphs_updated_,
-                   RefusalLine().c_str());
+                   RefusalLine().c_str(), (long long)graphs_retired_);
     }
     if (c_.cuda_profile_host && append_prof_.calls)
       std::fprintf(stderr, "questkv cuda append host profile, calls of fewer than %d tokens (%lld calls, us/call): %s\n",
@@ -603,6 +611,7 @@ class CudaBackendImpl final : public DataPlane {
   Result<cudaGraphExec_t> GraphFor(const std::vector<int64_t>& shape, const std::vector<int64_t>& sizes,
                                    const std::function<Status()>& enqueue) {
     if (graphs_epoch_ != g_alloc_epoch || graphs_.size() > 512) {
+      graphs_retired_ += int64_t(graphs_.size());
       ClearGraphs();
       graphs_epoch_ = g_alloc_epoch;
     }
@@ -650,6 +659,7 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t graphs_epoch_ = 0;
   int64_t graphs_captured_ = 0;  // instantiations
   int64_t graphs_updated_ = 0;   // executables updated in place
+  int64_t graphs_retired_ = 0;   // dropped for a new buffer (or a full cache)
   // Updates refused, by cudaGraphExecUpdateResult (profile line).
   static constexpr int kRefusalKinds = 9;
   int64_t graph_update_refusals_[kRefusalKinds] = {};

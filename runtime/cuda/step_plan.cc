@@ -97,7 +97,7 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   QKV_RETURN_IF_ERROR(PlanResolveAndAttend(s, p));
   QKV_RETURN_IF_ERROR(ReserveStepBuffers(s, p));
   PackHeader(s, p);
-  QKV_RETURN_IF_ERROR(header_.Reserve(p.hdr.size() * 4));
+  QKV_RETURN_IF_ERROR(header_.Grow(p.hdr.size() * 4));
   p.d_hdr = header_.as<int32_t>();
   p.clock.Mark(kBuffers);  // and the resolve/attend plans, the header, pinned io
   MarkStream(kMarkTables);
@@ -292,32 +292,32 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
 // reads back into: f32 out, the cumulative counters and the selection.
 Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   const std::size_t qbytes = p.qelems * DTypeBytes(g_.dtype);
-  QKV_RETURN_IF_ERROR(q_.Reserve(qbytes));
-  QKV_RETURN_IF_ERROR(o_.Reserve(qbytes));
-  QKV_RETURN_IF_ERROR(sel_pages_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(q_.Grow(qbytes));
+  QKV_RETURN_IF_ERROR(o_.Grow(qbytes));
+  QKV_RETURN_IF_ERROR(sel_pages_.Grow(std::max<int64_t>(p.entries, 1) * 4));
   // The attention's slots and counts: the resolve's, or a block step's
   // BlockSlots written over them (a union row holds at most its rows'
   // entries, and there are fewer lists than rows).
-  QKV_RETURN_IF_ERROR(res_slots_.Reserve(std::max<int64_t>(p.entries, 1) * 4));
-  QKV_RETURN_IF_ERROR(sel_count_.Reserve(p.rows * 4));
-  QKV_RETURN_IF_ERROR(res_count_.Reserve(p.rows * 4));
+  QKV_RETURN_IF_ERROR(res_slots_.Grow(std::max<int64_t>(p.entries, 1) * 4));
+  QKV_RETURN_IF_ERROR(sel_count_.Grow(p.rows * 4));
+  QKV_RETURN_IF_ERROR(res_count_.Grow(p.rows * 4));
   if (p.block) {
-    QKV_RETURN_IF_ERROR(usel_pages_.Reserve(std::max<int64_t>(p.uentries, 1) * 4));
-    QKV_RETURN_IF_ERROR(usel_count_.Reserve(std::size_t(p.L) * g_.kv_heads * 4));
+    QKV_RETURN_IF_ERROR(usel_pages_.Grow(std::max<int64_t>(p.uentries, 1) * 4));
+    QKV_RETURN_IF_ERROR(usel_count_.Grow(std::size_t(p.L) * g_.kv_heads * 4));
   }
   p.qcap = int(std::max<int64_t>(p.uentries, 1));
   p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
-  QKV_RETURN_IF_ERROR(queues_.Reserve(2 * p.qbytes_req + 256));
-  QKV_RETURN_IF_ERROR(sel_ws_.Reserve(std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, 1})));
+  QKV_RETURN_IF_ERROR(queues_.Grow(2 * p.qbytes_req + 256));
+  QKV_RETURN_IF_ERROR(sel_ws_.Grow(std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, 1})));
   if (p.rerank) {
-    QKV_RETURN_IF_ERROR(cand_pages_.Reserve(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
-    QKV_RETURN_IF_ERROR(cand_count_.Reserve(p.rows * 4));
-    QKV_RETURN_IF_ERROR(rerank_ws_.Reserve(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
+    QKV_RETURN_IF_ERROR(cand_pages_.Grow(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
+    QKV_RETURN_IF_ERROR(cand_count_.Grow(p.rows * 4));
+    QKV_RETURN_IF_ERROR(rerank_ws_.Grow(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
   }
-  QKV_RETURN_IF_ERROR(res_ws_.Reserve(std::max<std::size_t>(p.rplan.workspace_bytes, 1)));
+  QKV_RETURN_IF_ERROR(res_ws_.Grow(std::max<std::size_t>(p.rplan.workspace_bytes, 1)));
   if (att_ws_.bytes() < p.aplan.workspace_bytes) {
     QKV_RETURN_IF_ERROR(Sync());
-    QKV_RETURN_IF_ERROR(att_ws_.Reserve(p.aplan.workspace_bytes));
+    QKV_RETURN_IF_ERROR(att_ws_.Grow(p.aplan.workspace_bytes));
     att_ws_zeroed_ = 0;
   }
   // The attention's counters lie before its partials, where a launch of
@@ -335,12 +335,12 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   // Page ids: one sequence reads its mirror in place; a batch is copied together.
   p.page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();
   if (p.B > 1) {
-    QKV_RETURN_IF_ERROR(batch_pages_.Reserve(std::size_t(p.page_indptr[p.B]) * 4));
+    QKV_RETURN_IF_ERROR(batch_pages_.Grow(std::size_t(p.page_indptr[p.B]) * 4));
     p.page_ids = batch_pages_.as<uint32_t>();
   }
   if (s.host_f32) {
-    QKV_RETURN_IF_ERROR(q_f32_.Reserve(p.qelems * 4));
-    if (g_.dtype != DType::kF32) QKV_RETURN_IF_ERROR(o_f32_.Reserve(p.qelems * 4));
+    QKV_RETURN_IF_ERROR(q_f32_.Grow(p.qelems * 4));
+    if (g_.dtype != DType::kF32) QKV_RETURN_IF_ERROR(o_f32_.Grow(p.qelems * 4));
   }
   return Status::Ok();
 }
