@@ -421,6 +421,7 @@ Status Runtime::Rollback(SeqId seq, int64_t tokens) {
     if (s->layers[l].tokens < tokens)
       return Status::OutOfRange("rollback by " + std::to_string(tokens) + " tokens, but " + SeqName(seq) + " holds " +
                                 std::to_string(s->layers[l].tokens) + " in layer " + std::to_string(l));
+  if (tokens == 0) return Status::Ok();  // (every draft accepted: the tails stay as they are)
   // Every layer's tail copy first, so that a failure changes nothing.
   std::vector<PageId> copies(I.g.layers, kNoPage);
   for (int l = 0; l < I.g.layers; ++l) {

@@ -431,6 +431,24 @@ struct SealJob {
 };
 cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, cudaStream_t stream);
 
+// The first `len` rows of a page's K and V pieces, read from its slots
+// (slots + hbm_slot[page * kv_heads + h] * 2 * piece_bytes; each piece
+// [page_size][row_bytes]), into the append kernel's rows: k_out and v_out
+// [len][kv_heads][row_bytes]. One kernel for every head: a rollback's kept
+// tokens, appended anew. row_bytes a multiple of 16.
+struct PageRowsParams {
+  const void* slots = nullptr;
+  const int32_t* hbm_slot = nullptr;
+  uint32_t page = 0;
+  int kv_heads = 0;
+  int len = 0;
+  std::size_t row_bytes = 0;
+  std::size_t piece_bytes = 0;
+  void* k_out = nullptr;
+  void* v_out = nullptr;
+};
+cudaError_t LaunchPageRows(const PageRowsParams& p, cudaStream_t stream);
+
 // What the host learns of a decode step, written straight into mapped
 // pinned memory (no copy on the stream): each row's selected pages as page
 // ids, the rows' counts, and the resolve's cold-miss requests.

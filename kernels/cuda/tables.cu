@@ -51,6 +51,20 @@ __global__ void TableUpdateKernel(const TableUpdate* __restrict__ ups, int n, De
 
 // Each job: the slot's K piece to k_dst and its V piece to v_dst, 16 bytes a
 // thread, striped over the grid (stores to mapped host memory go over PCIe).
+// Block (t, h): row t of head h's K and V, 16 bytes a thread.
+__global__ void PageRowsKernel(const PageRowsParams p) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int32_t slot = p.hbm_slot[std::size_t(p.page) * p.kv_heads + h];
+  if (slot < 0) return;  // (the caller holds the page's slots: never)
+  const char* k = static_cast<const char*>(p.slots) + std::size_t(slot) * 2 * p.piece_bytes + t * p.row_bytes;
+  const char* v = k + p.piece_bytes;
+  const std::size_t out = (std::size_t(t) * p.kv_heads + h) * p.row_bytes;
+  for (std::size_t i = threadIdx.x; i < p.row_bytes / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(static_cast<char*>(p.k_out) + out)[i] = reinterpret_cast<const uint4*>(k)[i];
+    reinterpret_cast<uint4*>(static_cast<char*>(p.v_out) + out)[i] = reinterpret_cast<const uint4*>(v)[i];
+  }
+}
+
 __global__ void SealCopyKernel(const SealJob* __restrict__ jobs, int n, uint32_t piece_vecs) {
   const uint32_t job_vecs = 2 * piece_vecs;
   const uint64_t total = uint64_t(n) * job_vecs;
@@ -117,6 +131,16 @@ cudaError_t LaunchSealCopy(const SealJob* jobs, int n, std::size_t piece_bytes, 
   if (piece_bytes % 16) return Unsupported("seal copy piece_bytes", (long long)piece_bytes, "multiples of 16");
   SealCopyKernel<<<GridFor(std::size_t(n) * 2 * (piece_bytes / 16)), kThreads, 0, stream>>>(
       jobs, n, uint32_t(piece_bytes / 16));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPageRows(const PageRowsParams& p, cudaStream_t stream) {
+  if (p.len <= 0) return cudaSuccess;
+  if (!p.slots || !p.hbm_slot || !p.k_out || !p.v_out || p.kv_heads <= 0 ||
+      p.piece_bytes < std::size_t(p.len) * p.row_bytes)
+    return cudaErrorInvalidValue;
+  if (p.row_bytes == 0 || p.row_bytes % 16) return Unsupported("page rows row_bytes", (long long)p.row_bytes, "multiples of 16");
+  PageRowsKernel<<<dim3(p.len, p.kv_heads), 64, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

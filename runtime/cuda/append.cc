@@ -353,13 +353,18 @@ Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
   const std::size_t row = std::size_t(g_.head_dim) * DTypeBytes(g_.dtype);
   QKV_RETURN_IF_ERROR(kv_in_.Reserve(std::size_t(len) * H * row, /*in_graphs=*/false));
   QKV_RETURN_IF_ERROR(v_in_.Reserve(std::size_t(len) * H * row, /*in_graphs=*/false));
-  QKV_RETURN_IF_ERROR(FlushUpdates());
-  for (int h = 0; h < H; ++h) {
-    QKV_CUDA(cudaMemcpy2DAsync(kv_in_.as<char>() + h * row, H * row, slot_ptr(P.tail[h]), row, row, len,
-                               cudaMemcpyDeviceToDevice, stream_));
-    QKV_CUDA(cudaMemcpy2DAsync(v_in_.as<char>() + h * row, H * row, slot_ptr(P.tail[h]) + piece(), row, row, len,
-                               cudaMemcpyDeviceToDevice, stream_));
-  }
+  QKV_RETURN_IF_ERROR(FlushUpdates());  // hbm_slot names the tail's slots
+  kc::PageRowsParams rows;
+  rows.slots = pool_.as();
+  rows.hbm_slot = hbm_slot_.as<int32_t>();
+  rows.page = tail;
+  rows.kv_heads = H;
+  rows.len = len;
+  rows.row_bytes = row;
+  rows.piece_bytes = piece();
+  rows.k_out = kv_in_.as();
+  rows.v_out = v_in_.as();
+  QKV_CUDA(kc::LaunchPageRows(rows, stream_));
   // append_indptr {0, len}, start_pos {0}, page_indptr {0, 1}, page_ids {tail}.
   const int32_t hdr[6] = {0, len, 0, 0, 1, int32_t(tail)};
   auto* st = static_cast<int32_t*>(StageAlloc(sizeof(hdr)));
