@@ -60,19 +60,20 @@ def main():
 
 
 def speculative(runs):
-    """Speculative runs (draft-CTX-N): accepted tokens per second against
-    draft-CTX-0, one token a step through the same host API."""
+    """Speculative runs (draft-CTX-N): tokens per second (a block keeps its
+    first token and the drafts accepted after it) against draft-CTX-0, one
+    token a step through the same host API."""
     spec = {n: r for n, r in runs.items() if n.startswith("draft-")}
     if not spec:
         return
-    hdr = ("run", "ctx", "step ms", "append/verify/settle ms", "accepted/drafted", "tokens/s", "vs one a step",
+    hdr = ("run", "ctx", "step ms", "append/verify/settle ms", "accepted/drafted", "tokens", "tokens/s", "vs one a step",
            "head-pages/token", "digest")
     rows = []
     for name, r in spec.items():
         s = r.get("speculative")
         p50 = r["step_latency_us"]["p50"]
         rate = s["tokens_per_s"] if s else 1e6 / max(1e-9, p50)
-        tokens = s["accepted"] if s else max(1, r["decode_steps"])
+        tokens = s["tokens"] if s else max(1, r["decode_steps"])
         base = spec.get(name.rsplit("-", 1)[0] + "-0")
         vs = ""
         if base is not None:
@@ -82,7 +83,7 @@ def speculative(runs):
             blocks = max(1, r["decode_steps"])
             split = "/".join("%.2f" % (1e3 * s[k] / blocks) for k in ("append_seconds", "verify_seconds", "settle_seconds"))
         rows.append((name, "%dK" % (r["context_tokens"] // 1024), "%.2f" % (p50 / 1e3), split,
-                     "%d/%d" % (s["accepted"], s["drafted"]) if s else "-", "%.1f" % rate, vs,
+                     "%d/%d" % (s["accepted"], s["drafted"]) if s else "-", str(tokens), "%.1f" % rate, vs,
                      "%.0f" % (r["head_pages_selected"] / max(1, tokens)), r["output_digest"][:8]))
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     print()

@@ -102,6 +102,14 @@ TEST(RunFlags, SpeculativeDecodingThroughTieredMemoryKeepsTheDigest) {
   EXPECT_EQ(field(mem.out, "output_digest"), field(disk.out, "output_digest"));
   EXPECT_EQ(field(mem.out, "drafted"), "\"drafted\":36");
   EXPECT_EQ(field(mem.out, "accepted"), field(disk.out, "accepted"));
+  // Each block keeps its first token and the drafts accepted after it.
+  auto count = [&](const std::string& json, const std::string& key) {
+    const std::string f = field(json, key);
+    return std::stoll(f.substr(f.find(':') + 1));
+  };
+  EXPECT_EQ(count(mem.out, "tokens"), 12 + count(mem.out, "accepted"));
+  EXPECT_GT(count(mem.out, "accepted"), 0);
+  EXPECT_LT(count(mem.out, "accepted"), 36);
   EXPECT_NE(field(disk.out, "disk_to_host"), "\"disk_to_host\":0") << "the tiered run never read from disk";
   // The blocks' time is their calls' time: appends, verifies, rollbacks.
   auto number = [&](const std::string& key) {

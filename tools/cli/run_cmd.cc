@@ -51,7 +51,7 @@ constexpr const char* kUsage =
     "           --json --no-progress\n"
     "metrics:   --metrics-port N (Prometheus text on 127.0.0.1:N/metrics; 0 = any free port)\n"
     "           --metrics-linger-ms MS (keep serving after the run; SIGTERM ends it early)\n"
-    "speculative decoding, simulated: --draft N (blocks of N drafts verified by one DecodeBlock call)\n"
+    "speculative decoding, simulated: --draft N (a token and N drafts verified by one DecodeBlock call)\n"
     "           --accept-rate P [0.7] (each draft kept with probability P until the first rejection)\n"
     "           --block-selection per-position|shared [per-position] (a page set per draft, or one per\n"
     "           block: cpu)\n";

@@ -362,23 +362,35 @@ class Diagnostics {
   std::deque<std::future<Result<LayerDiagnostics>>> inflight_;
 };
 
-// The draft-and-verify loop of speculative decoding (RunOptions::draft).
-// Drafts are the workload's next tokens, appended as drafts (a page they fill
-// reaches the host only once accepted); a rejected draft's position is
-// drafted again (with the same K/V) at the next step.
+// The draft-and-verify loop of speculative decoding (RunOptions::draft), as
+// EAGLE, Medusa and draft models run it: a block is the last token sampled
+// (always kept) and n drafts after it, verified by one DecodeBlock call; the
+// drafts are kept up to the first rejection, so a block yields 1 + accepted
+// tokens (the verify's output at the last kept position samples the next
+// block's first token). Tokens are the workload's next ones, appended as
+// drafts (a page they fill reaches the host only once accepted); a rejected
+// draft's position comes again, as the next block's first, with the same K/V.
 Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r) {
   const Geometry& g = o.config.geometry;
-  const int B = int(batch.ids.size()), n = o.draft;
+  const int B = int(batch.ids.size()), n = o.draft, len = n + 1;
   const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qrow = std::size_t(g.q_heads) * g.head_dim;
-  std::vector<float> k(std::size_t(n) * row), v(k.size()), q(std::size_t(B) * n * qrow), out(q.size());
-  std::vector<int64_t> kept(B, 0);  // tokens accepted past the context, per sequence
-  const std::vector<int> blocks(B, n);
+  std::vector<float> k(std::size_t(len) * row), v(k.size()), q(std::size_t(B) * len * qrow), out(q.size());
+  std::vector<int64_t> kept(B, 0);  // tokens kept past the context, per sequence
+  const std::vector<int> blocks(B, len);
   std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + 1);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   Progress bar("speculative decode", o.decode_steps, o.progress);
   AttendStats stats;
-  stats.time_phases = false;
-  std::vector<double> step_us;
+  // Phases timed as Decode times them: the CUDA backend's on every 4th block
+  // from block 1 (launched directly, so kept out of the block latency), the
+  // CPU's on all.
+  const bool cuda = o.config.backend == Backend::kCuda;
+  int64_t timed_blocks = 0;
+  std::vector<double> step_us, instrumented_us;
+  // Tokens per second over the blocks the latency counts, past the first
+  // (graph captures, list growth): over all of them when there are no others.
+  int64_t rate_tokens = 0;
+  double rate_seconds = 0;
   using Clock = std::chrono::steady_clock;
   // A block's time is its runtime calls' (the workload's K/V and queries are
   // generated outside it, as Decode's are), each charged to its kind too.
@@ -390,14 +402,16 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
   };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     block_s = 0;
+    stats.time_phases = !cuda || o.decode_steps == 1 || step % 4 == 1;
+    timed_blocks += stats.time_phases;
     for (int layer = 0; layer < g.layers; ++layer) {
       for (int b = 0; b < B; ++b) {
-        batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], n, k.data(), v.data());
+        batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], len, k.data(), v.data());
         const auto ta = Clock::now();
-        QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), n));
+        QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), len));
         charge(r.speculative.append_seconds, ta);
-        for (int i = 0; i < n; ++i)
-          batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * n + i) * qrow);
+        for (int i = 0; i < len; ++i)
+          batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * len + i) * qrow);
       }
       const auto tv = Clock::now();
       QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
@@ -405,21 +419,38 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
       Digest(r.output_digest, out.data(), out.size());
     }
     const auto ts = Clock::now();
+    int64_t tokens = 0;
     for (int b = 0; b < B; ++b) {
       int accepted = 0;
       while (accepted < n && uniform(rng) < o.accept_rate) ++accepted;
       QKV_RETURN_IF_ERROR(rt.Rollback(batch.ids[b], n - accepted));
       QKV_RETURN_IF_ERROR(rt.Accept(batch.ids[b]));
-      kept[b] += accepted;
+      kept[b] += 1 + accepted;
+      tokens += 1 + accepted;
       r.speculative.accepted += accepted;
     }
     charge(r.speculative.settle_seconds, ts);
     r.speculative.drafted += int64_t(B) * n;
-    step_us.push_back(1e6 * block_s);
+    r.speculative.tokens += tokens;
+    r.speculative.seconds += block_s;
+    const bool instrumented = cuda && stats.time_phases && o.decode_steps > 1;
+    (instrumented ? instrumented_us : step_us).push_back(1e6 * block_s);
+    if (step > 0 && !instrumented) {
+      rate_tokens += tokens;
+      rate_seconds += block_s;
+    }
     bar.Update(step + 1);
   }
-  for (double us : step_us) r.speculative.seconds += 1e-6 * us;
+  if (rate_tokens == 0) {
+    rate_tokens = r.speculative.tokens;
+    rate_seconds = r.speculative.seconds;
+  }
+  r.speculative.tokens_per_s = rate_seconds > 0 ? double(rate_tokens) / rate_seconds : 0;
   r.step_latency_us = Summarise(std::move(step_us));
+  r.step_latency_instrumented_us = Summarise(std::move(instrumented_us));
+  const double timed = std::max<double>(1, double(timed_blocks));
+  r.step_breakdown_us = {1e6 * r.speculative.append_seconds / std::max<double>(1, double(o.decode_steps)),
+                         stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
   r.speculative.head_pages_selected = stats.head_pages_selected;
   r.head_pages_selected = stats.head_pages_selected;
   r.head_pages_total = stats.head_pages_total;
@@ -842,10 +873,10 @@ std::string FormatReport(const RunReport& r) {
   }
   if (o.draft > 0) {
     const RunReport::Speculative& s = r.speculative;
-    const double per = s.accepted ? 1.0 / double(s.accepted) : 0;
-    Line(out, "  speculative        drafts of %d at accept rate %.2f: %lld of %lld accepted, %.1f tokens/s; "
-              "per accepted token %.1f head-pages, %.0f bytes host->hbm\n",
-         o.draft, o.accept_rate, (long long)s.accepted, (long long)s.drafted, s.seconds > 0 ? s.accepted / s.seconds : 0,
+    const double per = s.tokens ? 1.0 / double(s.tokens) : 0;
+    Line(out, "  speculative        %d drafts a block at accept rate %.2f: %lld of %lld accepted, %lld tokens, "
+              "%.1f tokens/s; per token %.1f head-pages, %.0f bytes host->hbm\n",
+         o.draft, o.accept_rate, (long long)s.accepted, (long long)s.drafted, (long long)s.tokens, s.tokens_per_s,
          double(s.head_pages_selected) * per, double(r.bytes_moved.host_to_hbm) * per);
     Line(out, "  speculative time   %.1f s: append drafts %.1f%%, verify %.1f%%, rollback + accept %.1f%%\n", s.seconds,
          s.seconds > 0 ? 100 * s.append_seconds / s.seconds : 0, s.seconds > 0 ? 100 * s.verify_seconds / s.seconds : 0,
@@ -1018,7 +1049,8 @@ std::string ReportJson(const RunReport& r) {
         .Field("append_seconds", r.speculative.append_seconds)
         .Field("verify_seconds", r.speculative.verify_seconds)
         .Field("settle_seconds", r.speculative.settle_seconds)
-        .Field("tokens_per_s", r.speculative.seconds > 0 ? r.speculative.accepted / r.speculative.seconds : 0.0)
+        .Field("tokens", r.speculative.tokens)
+        .Field("tokens_per_s", r.speculative.tokens_per_s)
         .Field("head_pages_selected", r.speculative.head_pages_selected)
         .EndObject();
   j.Field("output_digest", Hex(r.output_digest));

@@ -129,7 +129,9 @@ struct RunReport {
   // (AppendDraft, DecodeBlock, Rollback + Accept), and selections.
   struct Speculative {
     int64_t drafted = 0, accepted = 0;
+    int64_t tokens = 0;  // kept: a block's first and its accepted drafts
     double seconds = 0;
+    double tokens_per_s = 0;  // over the blocks the latency counts, past the first
     double append_seconds = 0, verify_seconds = 0, settle_seconds = 0;
     int64_t head_pages_selected = 0;
   } speculative;
@@ -139,8 +141,8 @@ struct RunReport {
 // and that step's token): the largest top_r every diagnosis can take.
 int64_t DiagnosedTokensMin(const RunOptions& options);
 // Tokens the decode may append past the context: a token a step, or a
-// draft block a step when speculating (rejected drafts are drafted again).
-inline int64_t DecodeTokens(const RunOptions& o) { return o.decode_steps * (o.draft > 0 ? o.draft : 1); }
+// block (a token and its drafts) a step when speculating.
+inline int64_t DecodeTokens(const RunOptions& o) { return o.decode_steps * (o.draft + 1); }
 
 // InvalidArgument, said with the flags of `questkv run` that set them, when
 // the options cannot run (RunJob checks them first).
