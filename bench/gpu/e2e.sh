@@ -23,10 +23,11 @@
 #            $HOST_1M (80G) pinned host, the rest on disk ($DISK_1M, 56G: the device has ~60 GB free) under $DISK;
 #            recall every $RECALL_1M (8: steps 0 and 8; 0: none) steps at layers $RECALL_LAYERS_1M
 #            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes)
-#   draft-CTX-N  Llama-3-8B at CTX tokens, speculative decoding: blocks of N drafts appended
-#            (AppendDraft), verified by one DecodeBlock call, accepted with probability 0.7
+#   draft-CTX-N  Llama-3-8B at CTX tokens, speculative decoding: the last token and N drafts
+#            appended (AppendDraft), verified by one DecodeBlock call, drafts accepted with probability 0.7
 #            each; N = 0: one token a step through the host API (the same host floats), the
-#            baseline the blocks are compared with (e.g. draft-32768-0 draft-32768-4)
+#            baseline the blocks are compared with (e.g. draft-32768-0 draft-32768-4);
+#            draft-CTX-N-dense: the same with every layer dense
 #   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
@@ -75,9 +76,12 @@ for run in $RUNS; do
     l2-all) one l2-all --preset llama2-7b --context 131072 --steps $STEPS --recall-every 0 ;;
     l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
     draft-*-*)
-      ctx=${run#draft-}; n=${ctx#*-}; ctx=${ctx%-*}
+      spec=${run#draft-}; dense=""
+      # draft-CTX-N-dense: every layer dense (the block's dense attention).
+      [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && dense="--dense-layers $(seq -s, 0 31)"
+      ctx=${spec%-*}; n=${spec#*-}
       if [ "$n" = 0 ]; then api="--decode-api host"; else api="--draft $n"; fi
-      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api ;;
+      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $dense ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do
         # 128K with 1/8 of the K/V in HBM is l3-all / l3-2g: reuse them when they ran.

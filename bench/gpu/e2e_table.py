@@ -74,7 +74,7 @@ def speculative(runs):
         p50 = r["step_latency_us"]["p50"]
         rate = s["tokens_per_s"] if s else 1e6 / max(1e-9, p50)
         tokens = s["tokens"] if s else max(1, r["decode_steps"])
-        base = spec.get(name.rsplit("-", 1)[0] + "-0")
+        base = spec.get("-".join(name.split("-")[:2]) + "-0")  # draft-CTX-0: sparse, one a step
         vs = ""
         if base is not None:
             vs = "%.2fx" % (rate / (1e6 / max(1e-9, base["step_latency_us"]["p50"])))
