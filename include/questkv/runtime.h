@@ -131,6 +131,7 @@ class Runtime {
   // attention over an offloaded cache must each step (the zero-copy gather,
   // median of `reps`). At most `max_bytes` are streamed; past that the time
   // is scaled by the bytes. *bytes gets what the time stands for.
+  // FailedPrecondition when none of those pages has a host home.
   Result<double> TimeDenseOffload(std::span<const SeqId> seqs, int layer, std::size_t max_bytes, int reps,
                                   int64_t* bytes);
 
