@@ -1,8 +1,9 @@
 // Small kernels the CUDA backend (runtime/cuda/) needs around the
-// decode-step kernels: batched edits of the device tables, the seal copy
-// (tail slots -> pinned host home, the mirror of the resolve gather), the
-// step report (what the host reads of a step, one call later), a batch's
-// page tables gathered, and dtype conversion of host-API inputs and outputs.
+// decode-step kernels: batched edits of the device tables, a page's rows
+// gathered for a rollback, the seal copy (tail slots -> pinned host home,
+// the mirror of the resolve gather), the step report (what the host reads of
+// a step, one call later), a batch's page tables gathered, and dtype
+// conversion of host-API inputs and outputs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
@@ -49,8 +50,6 @@ __global__ void TableUpdateKernel(const TableUpdate* __restrict__ ups, int n, De
   }
 }
 
-// Each job: the slot's K piece to k_dst and its V piece to v_dst, 16 bytes a
-// thread, striped over the grid (stores to mapped host memory go over PCIe).
 // Block (t, h): row t of head h's K and V, 16 bytes a thread.
 __global__ void PageRowsKernel(const PageRowsParams p) {
   const int t = blockIdx.x, h = blockIdx.y;
@@ -65,6 +64,8 @@ __global__ void PageRowsKernel(const PageRowsParams p) {
   }
 }
 
+// Each job: the slot's K piece to k_dst and its V piece to v_dst, 16 bytes a
+// thread, striped over the grid (stores to mapped host memory go over PCIe).
 __global__ void SealCopyKernel(const SealJob* __restrict__ jobs, int n, uint32_t piece_vecs) {
   const uint32_t job_vecs = 2 * piece_vecs;
   const uint64_t total = uint64_t(n) * job_vecs;
@@ -139,7 +140,8 @@ cudaError_t LaunchPageRows(const PageRowsParams& p, cudaStream_t stream) {
   if (!p.slots || !p.hbm_slot || !p.k_out || !p.v_out || p.kv_heads <= 0 ||
       p.piece_bytes < std::size_t(p.len) * p.row_bytes)
     return cudaErrorInvalidValue;
-  if (p.row_bytes == 0 || p.row_bytes % 16) return Unsupported("page rows row_bytes", (long long)p.row_bytes, "multiples of 16");
+  if (p.row_bytes == 0 || p.row_bytes % 16)
+    return Unsupported("page rows row_bytes", (long long)p.row_bytes, "multiples of 16");
   PageRowsKernel<<<dim3(p.len, p.kv_heads), 64, 0, stream>>>(p);
   return cudaGetLastError();
 }
