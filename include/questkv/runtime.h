@@ -97,9 +97,10 @@ class Runtime {
   // up to that token would: the outputs equal those of sum(block)
   // single-token calls (under `strict`). Under kShared the block selects
   // once (see BlockSelection; CPU backend). Rollback then drops the rejected
-  // tail. The CUDA backend runs a block's positions as consecutive steps
-  // (the i-th position of every sequence in the i-th): each position reads
-  // its own pages.
+  // tail. The CUDA backend runs a block in one step: each position selects,
+  // the union of a sequence's positions' pages is fetched once, and each
+  // position attends its own (a sequence whose partition cannot hold the
+  // union takes its block in halves).
   Status DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q, float* out,
                      AttendStats* stats = nullptr);
 
