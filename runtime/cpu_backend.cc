@@ -533,10 +533,11 @@ const float* CpuBackend::GroupSlab(uint32_t part, const uint32_t* ids, int n, in
   if (gb.boxes.size() < std::size_t(groups) * box) gb.boxes.resize(std::size_t(groups) * box);
   for (int grp = 0; grp < groups; ++grp) {
     const int p0 = grp * B, count = std::min(B, n - p0);
+    // Reused only when built over these sealed pages (immutable): count -1
+    // marks a group built over a page still filling.
     bool same = gb.count[grp] == count;
     for (int j = 0; j < count && same; ++j)
-      same = gb.pages[p0 + j] == std::pair<PageId, uint32_t>(ids[p0 + j], ids_->generation(ids[p0 + j])) &&
-             mover_->sealed(ids[p0 + j]);
+      same = gb.pages[p0 + j] == std::pair<PageId, uint32_t>(ids[p0 + j], ids_->generation(ids[p0 + j]));
     if (same) continue;
     float* dst = gb.boxes.data() + std::size_t(grp) * box;
     for (int h = 0; h < H; ++h) {
