@@ -55,6 +55,8 @@ def parse_args():
     p.add_argument("--host-bytes", type=int, default=0, help="0: room for every page")
     p.add_argument("--disk-dir", default="")
     p.add_argument("--disk-bytes", type=int, default=0)
+    p.add_argument("--cold-miss", default="strict", choices=("strict", "deadline"),
+                   help="a selected page on disk: wait for it (strict) or attend without it this step (deadline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -116,7 +118,7 @@ def runtime_config(args, budget, rerank=0.0, unread=0.0):
                 sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
                 dense_layers=range(6) if budget is None else [0, 1], gqa="max",
                 hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
-                disk_bytes=args.disk_bytes, cold_miss="strict", backend="cpu", dtype="f32")
+                disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, backend="cpu", dtype="f32")
 
 
 def decode_figures(r):
@@ -124,7 +126,8 @@ def decode_figures(r):
     before, after = r.prefill_stats, r.stats
     delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
                                                "head_pages_selected", "head_pages_total", "kv_bytes_read",
-                                               "summary_bytes_read", "rerank_key_bytes")}
+                                               "summary_bytes_read", "rerank_key_bytes", "cold_misses",
+                                               "pages_skipped")}
     adaptive = {k: after[k] for k in ("adaptive_rankings", "adaptive_pages", "adaptive_pages_max", "adaptive_cap_hits",
                                       "adaptive_pages_p95")}
     return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta,
@@ -180,6 +183,14 @@ def print_table(args, runs):
               f"{(mean(rows, 'kv_bytes_read') + mean(rows, 'summary_bytes_read') + mean(rows, 'rerank_key_bytes')) / steps / 1024:.0f} | "
               f"{mean(rows, 'bytes_host_to_hbm') / steps / 1024:.1f} |")
     print(f"A dense offload would move {offload_mib:.1f} MiB of K/V a token at this context.")
+    missed = [(name, rows) for name, rows in runs.items() if name != "reference" and sum(r["cold_misses"] for r in rows)]
+    if missed:
+        print(f"\nCold misses ({args.cold_miss}): selected head-pages whose home was disk, over every window")
+        print("| run | head-pages selected | cold misses | of them attended without | share skipped |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, rows in missed:
+            sel, cold, skipped = (sum(r[k] for r in rows) for k in ("head_pages_selected", "cold_misses", "pages_skipped"))
+            print(f"| {name} | {sel} | {cold} | {skipped} | {100 * skipped / sel:.2f}% |")
     adaptive = [(name, rows) for name, rows in runs.items() if rows and rows[0].get("adaptive_rankings")]
     if adaptive:
         print("\nAdaptive budgets: query-aware pages per ranking (beside sink and local), over every window")
