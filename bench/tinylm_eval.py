@@ -121,7 +121,26 @@ def runtime_config(args, budget, rerank=0.0, unread=0.0):
                 disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, backend="cpu", dtype="f32")
 
 
-def decode_figures(r):
+class LayerCounts:
+    """A questkv.Runtime whose decode calls also count, per layer, the
+    head-pages they selected and the cold misses they attended without."""
+
+    def __init__(self, rt):
+        self.rt, self.selected, self.skipped = rt, {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def decode(self, seqs, layer, q):
+        before = self.rt.stats()
+        out = self.rt.decode(seqs, layer, q)
+        after = self.rt.stats()
+        for key, counts in (("head_pages_selected", self.selected), ("pages_skipped", self.skipped)):
+            counts[layer] = counts.get(layer, 0) + after[key] - before[key]
+        return out
+
+
+def decode_figures(r, counts=None):
     """What one questkv run moved and read during its decode steps."""
     before, after = r.prefill_stats, r.stats
     delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
@@ -131,7 +150,8 @@ def decode_figures(r):
     adaptive = {k: after[k] for k in ("adaptive_rankings", "adaptive_pages", "adaptive_pages_max", "adaptive_cap_hits",
                                       "adaptive_pages_p95")}
     return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta,
-                **adaptive)
+                **adaptive, layer_selected=[counts.selected.get(l, 0) if counts else 0 for l in range(6)],
+                layer_skipped=[counts.skipped.get(l, 0) if counts else 0 for l in range(6)])
 
 
 def evaluate(args, questkv, tinylm, model, spans):
@@ -150,7 +170,10 @@ def evaluate(args, questkv, tinylm, model, spans):
         runs["reference"].append(dict(loss=tinylm.reference_loss(model, data, prefill, args.steps, cache=cache)))
         for name, budget, rerank, unread in configs:
             rt = questkv.Runtime(**runtime_config(args, budget, rerank, unread))
-            runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache)))
+            if args.disk_dir:  # (two stats() calls a layer: not in the in-memory runs' timings)
+                rt = LayerCounts(rt)
+            runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache),
+                                            rt if isinstance(rt, LayerCounts) else None))
             del rt
         print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -186,11 +209,14 @@ def print_table(args, runs):
     missed = [(name, rows) for name, rows in runs.items() if name != "reference" and sum(r["cold_misses"] for r in rows)]
     if missed:
         print(f"\nCold misses ({args.cold_miss}): selected head-pages whose home was disk, over every window")
-        print("| run | head-pages selected | cold misses | of them attended without | share skipped |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| run | head-pages selected | cold misses | of them attended without | share skipped | "
+              "skipped by layer 0-5 |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name, rows in missed:
             sel, cold, skipped = (sum(r[k] for r in rows) for k in ("head_pages_selected", "cold_misses", "pages_skipped"))
-            print(f"| {name} | {sel} | {cold} | {skipped} | {100 * skipped / sel:.2f}% |")
+            layers = " / ".join(f"{100 * sum(r['layer_skipped'][l] for r in rows) / max(1, sum(r['layer_selected'][l] for r in rows)):.1f}%"
+                                for l in range(6))
+            print(f"| {name} | {sel} | {cold} | {skipped} | {100 * skipped / sel:.2f}% | {layers} |")
     adaptive = [(name, rows) for name, rows in runs.items() if rows and rows[0].get("adaptive_rankings")]
     if adaptive:
         print("\nAdaptive budgets: query-aware pages per ranking (beside sink and local), over every window")
