@@ -221,6 +221,19 @@ qkv_status qkv_decode_attention_device(qkv_runtime* h, const uint64_t* seqs, int
     return h->rt->DecodeAttentionDevice(std::span<const uint64_t>(seqs, std::size_t(batch)), layer, q, out);
   });
 }
+qkv_status qkv_append_draft_device(qkv_runtime* h, uint64_t seq, int layer, const void* k, const void* v,
+                                   int64_t n) {
+  return Guarded(h, [&] { return h->rt->AppendDraftDevice(seq, layer, k, v, n); });
+}
+qkv_status qkv_decode_block_device(qkv_runtime* h, const uint64_t* seqs, const int* block, int batch, int layer,
+                                   const void* q, void* out) {
+  return Guarded(h, [&]() -> questkv::Status {
+    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+    if (!block) return questkv::Status::InvalidArgument("null block sizes");
+    return h->rt->DecodeBlockDevice(std::span<const uint64_t>(seqs, std::size_t(batch)),
+                                    std::span<const int>(block, std::size_t(batch)), layer, q, out);
+  });
+}
 qkv_status qkv_synchronize(qkv_runtime* h) {
   return Guarded(h, [&] { return h->rt->Synchronize(); });
 }

@@ -21,6 +21,13 @@ namespace questkv {
 
 namespace {
 std::string SeqName(SeqId id) { return "sequence " + std::to_string(id); }
+
+// A block call names one block length per sequence.
+Status BlockMatches(std::span<const SeqId> seqs, std::span<const int> block) {
+  if (block.size() == seqs.size()) return Status::Ok();
+  return Status::InvalidArgument("block has " + std::to_string(block.size()) + " entries for " +
+                                 std::to_string(seqs.size()) + " sequences");
+}
 constexpr std::size_t kIoAlignFloats = 1024;  // 4096 bytes
 // Whether two buffers of `bytes` each share a byte.
 bool Overlap(const void* a, const void* b, std::size_t bytes) {
@@ -55,6 +62,8 @@ struct Runtime::Impl {
   std::vector<PageList> block_views;  // DecodeBlock: each position's list
 
   explicit Impl(const Config& c) : config(c), g(c.geometry), ids(c.max_pages) {}
+  Result<std::size_t> BlockRows(std::span<const SeqId> seqs, std::span<const int> block, int layer,
+                                std::vector<SeqId>* row_seqs);
 
   // Per-page tables grow with the ids handed out (PageAllocator's hook).
   Status GrowPageTables(uint32_t pages) {
@@ -495,43 +504,72 @@ Status Runtime::DecodeAttention(std::span<const SeqId> seqs, int layer, const fl
 // after that token was appended (its pages up to it; the last one's valid
 // length ends at it), so the step selects and attends exactly as a
 // single-token call would have then.
-Status Runtime::DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q_in,
-                            float* out, AttendStats* stats) {
-  Impl& I = *impl_;
-  if (block.size() != seqs.size())
-    return Status::InvalidArgument("block has " + std::to_string(block.size()) + " entries for " +
-                                   std::to_string(seqs.size()) + " sequences");
-  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q_in, out));
-  const int S = I.g.page_size;
+// The rows of a block call (block.size() == seqs.size(), after CheckBatch):
+// one per block token, each a causal view of its sequence's list (lists and
+// list_partitions replaced by them).
+Result<std::size_t> Runtime::Impl::BlockRows(std::span<const SeqId> seqs, std::span<const int> block, int layer,
+                                             std::vector<SeqId>* row_seqs) {
+  const int S = g.page_size;
   std::size_t rows = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
-    if (block[b] < 1 || block[b] > I.lists[b]->tokens)
+    if (block[b] < 1 || block[b] > lists[b]->tokens)
       return Status::OutOfRange("block of " + std::to_string(block[b]) + " tokens for " + SeqName(seqs[b]) +
-                                ", which holds " + std::to_string(I.lists[b]->tokens) + " in layer " +
+                                ", which holds " + std::to_string(lists[b]->tokens) + " in layer " +
                                 std::to_string(layer));
     rows += std::size_t(block[b]);
   }
-  I.block_views.resize(rows);
-  std::vector<SeqId> row_seqs;
+  block_views.resize(rows);
   std::vector<uint32_t> row_parts;
   std::size_t r = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
     for (int i = 0; i < block[b]; ++i, ++r) {
-      PageList& view = I.block_views[r];
-      view.tokens = I.lists[b]->tokens - block[b] + 1 + i;
-      view.pages.assign(I.lists[b]->pages.begin(), I.lists[b]->pages.begin() + (view.tokens + S - 1) / S);
-      row_seqs.push_back(seqs[b]);
-      row_parts.push_back(I.list_partitions[b]);
+      PageList& view = block_views[r];
+      view.tokens = lists[b]->tokens - block[b] + 1 + i;
+      view.pages.assign(lists[b]->pages.begin(), lists[b]->pages.begin() + (view.tokens + S - 1) / S);
+      if (row_seqs) row_seqs->push_back(seqs[b]);
+      row_parts.push_back(list_partitions[b]);
     }
   }
-  I.lists.clear();
-  for (const PageList& view : I.block_views) I.lists.push_back(&view);
-  I.list_partitions = std::move(row_parts);
+  lists.clear();
+  for (const PageList& view : block_views) lists.push_back(&view);
+  list_partitions = std::move(row_parts);
+  return rows;
+}
+
+Status Runtime::DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q_in,
+                            float* out, AttendStats* stats) {
+  Impl& I = *impl_;
+  QKV_RETURN_IF_ERROR(BlockMatches(seqs, block));
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q_in, out));
+  std::vector<SeqId> row_seqs;
+  QKV_ASSIGN_OR_RETURN(const std::size_t rows, I.BlockRows(seqs, block, layer, &row_seqs));
   const float* q = I.Unaliased(q_in, out, rows);
   const bool shared = I.config.policy.block_selection == BlockSelection::kShared;
   QKV_RETURN_IF_ERROR(I.Decode(layer, q, out, /*host_f32=*/true, /*dense=*/false, nullptr, stats,
                                shared ? block : std::span<const int>{}));
   return I.CheckFinite(row_seqs, q, out);
+}
+
+Status Runtime::AppendDraftDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n) {
+  Impl& I = *impl_;
+  if (!I.backend->on_device()) return Status::FailedPrecondition("AppendDraftDevice needs the CUDA backend");
+  QKV_ASSIGN_OR_RETURN(Impl::Sequence * s, I.CheckAppend(seq, layer, k, v, n));
+  return I.Append(seq, *s, layer, k, v, n, /*host_f32=*/false, /*draft=*/true);
+}
+
+Status Runtime::DecodeBlockDevice(std::span<const SeqId> seqs, std::span<const int> block, int layer, const void* q,
+                                  void* out, AttendStats* stats) {
+  Impl& I = *impl_;
+  if (!I.backend->on_device()) return Status::FailedPrecondition("DecodeBlockDevice needs the CUDA backend");
+  QKV_RETURN_IF_ERROR(BlockMatches(seqs, block));
+  QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
+  QKV_ASSIGN_OR_RETURN(const std::size_t rows, I.BlockRows(seqs, block, layer, nullptr));
+  if (Overlap(q, out, rows * I.g.q_heads * I.g.head_dim * DTypeBytes(I.g.dtype)))
+    return Status::InvalidArgument("q and out overlap: the device path reads q while it writes out");
+  if (I.config.policy.block_selection == BlockSelection::kShared)
+    return Status::Unimplemented("the CUDA backend selects each block position on its own: shared block "
+                                 "selection needs the CPU backend");
+  return I.Decode(layer, q, out, /*host_f32=*/false, /*dense=*/false, nullptr, stats);
 }
 
 Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,

@@ -25,8 +25,9 @@
 #            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes)
 #   draft-CTX-N  Llama-3-8B at CTX tokens, speculative decoding: the last token and N drafts
 #            appended (AppendDraft), verified by one DecodeBlock call, drafts accepted with probability 0.7
-#            each; N = 0: one token a step through the host API (the same host floats), the
-#            baseline the blocks are compared with (e.g. draft-32768-0 draft-32768-4);
+#            each; N = 0: one token a step, the baseline the blocks are compared with (e.g.
+#            draft-32768-0 draft-32768-4); both through device pointers, or the host API's
+#            floats with DRAFT_API=host;
 #            draft-CTX-N-dense: the same with every layer dense
 #   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
@@ -80,7 +81,8 @@ for run in $RUNS; do
       # draft-CTX-N-dense: every layer dense (the block's dense attention).
       [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && dense="--dense-layers $(seq -s, 0 31)"
       ctx=${spec%-*}; n=${spec#*-}
-      if [ "$n" = 0 ]; then api="--decode-api host"; else api="--draft $n"; fi
+      api="--decode-api ${DRAFT_API:-device}"  # the same calls for the blocks and their baseline
+      [ "$n" = 0 ] || api="$api --draft $n"
       one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $dense ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do

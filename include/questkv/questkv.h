@@ -144,6 +144,11 @@ qkv_status qkv_decode_block(qkv_runtime* rt, const uint64_t* seqs, const int* bl
 qkv_status qkv_append_device(qkv_runtime* rt, uint64_t seq, int layer, const void* k, const void* v, int64_t n);
 qkv_status qkv_decode_attention_device(qkv_runtime* rt, const uint64_t* seqs, int batch, int layer, const void* q,
                                        void* out);
+/* qkv_append_draft and qkv_decode_block, the same way (q, out [sum(block)][Hq][D]). */
+qkv_status qkv_append_draft_device(qkv_runtime* rt, uint64_t seq, int layer, const void* k, const void* v,
+                                   int64_t n);
+qkv_status qkv_decode_block_device(qkv_runtime* rt, const uint64_t* seqs, const int* block, int batch, int layer,
+                                   const void* q, void* out);
 /* Waits for every call's device work; the first fault an enqueued call reported. */
 qkv_status qkv_synchronize(qkv_runtime* rt);
 /* The cudaStream_t the CUDA backend orders its work on; NULL on the CPU backend or a null handle. */

@@ -121,6 +121,11 @@ class Runtime {
   Status AppendDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n);
   Status DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
                                std::vector<PageSelection>* selections = nullptr, AttendStats* stats = nullptr);
+  // AppendDraft and DecodeBlock on device memory, as above: a speculative
+  // block verified with no host round trip (q, out [sum(block)][Hq][D]).
+  Status AppendDraftDevice(SeqId seq, int layer, const void* k, const void* v, int64_t n);
+  Status DecodeBlockDevice(std::span<const SeqId> seqs, std::span<const int> block, int layer, const void* q,
+                           void* out, AttendStats* stats = nullptr);
   // Waits for every call's device work; returns the first fault an enqueued
   // call reported. Ok at once on the CPU backend.
   Status Synchronize();

@@ -92,6 +92,9 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   uint64_t one = 0;
   EXPECT_EQ(qkv_sequence_create(rt, &one), QKV_OK);
   EXPECT_EQ(qkv_append_device(rt, one, 0, nullptr, nullptr, 1), QKV_FAILED_PRECONDITION);  // CPU backend
+  EXPECT_EQ(qkv_append_draft_device(rt, one, 0, nullptr, nullptr, 1), QKV_FAILED_PRECONDITION);
+  const int block_of_one = 1;
+  EXPECT_EQ(qkv_decode_block_device(rt, &one, &block_of_one, 1, 0, nullptr, nullptr), QKV_FAILED_PRECONDITION);
   EXPECT_EQ(qkv_cuda_stream(rt), nullptr);  // no stream on the CPU backend
   EXPECT_EQ(qkv_synchronize(rt), QKV_OK);
   EXPECT_EQ(qkv_synchronize(nullptr), QKV_INVALID_ARGUMENT);

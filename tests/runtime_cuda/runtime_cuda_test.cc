@@ -593,6 +593,87 @@ TEST(CudaApi, DevicePointersMatchHostApi) {
   EXPECT_EQ((*cpu)->AppendDevice(1, 0, nullptr, nullptr, 1).code(), Code::kFailedPrecondition);
 }
 
+// Draft blocks through the device-pointer calls (AppendDraftDevice,
+// DecodeBlockDevice, enqueued without waiting) give the host calls' outputs
+// bit for bit, block after block with rollbacks between them, in two
+// sequences whose blocks differ in length.
+TEST(CudaApi, DeviceBlocksMatchHostBlocks) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  QKV_CREATE_CUDA(host, MakeConfig(Backend::kCuda, c));
+  QKV_CREATE_CUDA(dev, MakeConfig(Backend::kCuda, c));
+  const Geometry& g = host->config().geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim, qrow = std::size_t(g.q_heads) * g.head_dim;
+  const int64_t lens[2] = {1000, 37};
+  std::vector<SeqId> hs, ds;
+  for (int b = 0; b < 2; ++b) {
+    hs.push_back(*host->CreateSequence());
+    ds.push_back(*dev->CreateSequence());
+    for (int l = 0; l < g.layers; ++l) {
+      const auto k = Rounded(test::RandomNormal(lens[b] * row, 10 * b + l), c.dtype);
+      const auto v = Rounded(test::RandomNormal(lens[b] * row, 10 * b + l + 100), c.dtype);
+      ASSERT_TRUE(host->Append(hs[b], l, k.data(), v.data(), lens[b]).ok());
+      ASSERT_TRUE(dev->Append(ds[b], l, k.data(), v.data(), lens[b]).ok());
+    }
+  }
+  const auto stream = static_cast<cudaStream_t>(dev->cuda_stream());
+  const int kMaxRows = 2 * 17;
+  void *dk, *dv, *dq, *dout;
+  ASSERT_EQ(cudaMalloc(&dk, kMaxRows * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, kMaxRows * row * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dq, kMaxRows * qrow * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, std::size_t(g.layers) * kMaxRows * qrow * 2), cudaSuccess);
+  auto up = [&](void* dst, const std::vector<float>& x) {
+    std::vector<__half> h(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) h[i] = __float2half_rn(x[i]);
+    ASSERT_EQ(cudaMemcpyAsync(dst, h.data(), h.size() * 2, cudaMemcpyHostToDevice, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // (h leaves scope)
+  };
+  std::mt19937 rng(11);
+  for (int step = 0; step < 6; ++step) {
+    SCOPED_TRACE("block " + std::to_string(step));
+    const std::vector<int> blocks = {1 + int(rng() % 17), 1 + int(rng() % 5)};
+    const int rows = blocks[0] + blocks[1];
+    std::vector<std::vector<float>> want(g.layers);
+    for (int l = 0; l < g.layers; ++l) {
+      const auto k = Rounded(test::RandomNormal(std::size_t(rows) * row, 500 + 10 * step + l), c.dtype);
+      const auto v = Rounded(test::RandomNormal(std::size_t(rows) * row, 700 + 10 * step + l), c.dtype);
+      const auto q = Rounded(test::RandomNormal(std::size_t(rows) * qrow, 900 + 10 * step + l), c.dtype);
+      want[l].resize(q.size());
+      up(dk, k);
+      up(dv, v);
+      up(dq, q);
+      for (int b = 0, r = 0; b < 2; r += blocks[b], ++b) {
+        ASSERT_TRUE(host->AppendDraft(hs[b], l, k.data() + r * row, v.data() + r * row, blocks[b]).ok());
+        ASSERT_TRUE(dev->AppendDraftDevice(ds[b], l, static_cast<__half*>(dk) + r * row,
+                                           static_cast<__half*>(dv) + r * row, blocks[b])
+                        .ok());
+      }
+      ASSERT_TRUE(host->DecodeBlock(hs, blocks, l, q.data(), want[l].data()).ok());
+      const Status st = dev->DecodeBlockDevice(ds, blocks, l, dq, static_cast<__half*>(dout) + l * kMaxRows * qrow);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+    ASSERT_TRUE(dev->Synchronize().ok());
+    std::vector<__half> got(std::size_t(g.layers) * kMaxRows * qrow);
+    ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int l = 0; l < g.layers; ++l)
+      for (std::size_t i = 0; i < want[l].size(); ++i)
+        ASSERT_EQ(__half2float(got[l * kMaxRows * qrow + i]), want[l][i]) << "layer " << l << " elem " << i;
+    for (int b = 0; b < 2; ++b) {  // keep a random prefix of each block
+      const int rejected = int(rng() % blocks[b]);
+      ASSERT_TRUE(host->Rollback(hs[b], rejected).ok());
+      ASSERT_TRUE(dev->Rollback(ds[b], rejected).ok());
+      ASSERT_TRUE(host->Accept(hs[b]).ok());
+      ASSERT_TRUE(dev->Accept(ds[b]).ok());
+    }
+  }
+  cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout);
+  const int one = 1;
+  EXPECT_EQ(dev->DecodeBlockDevice(ds, std::vector<int>{one}, 0, dq, dout).code(), Code::kInvalidArgument);
+  auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->AppendDraftDevice(1, 0, nullptr, nullptr, 1).code(), Code::kFailedPrecondition);
+}
+
 // Device-pointer decode calls enqueued back to back — each layer's inputs
 // uploaded on the runtime's stream into the same buffers the previous layer
 // read, no wait until the step's end — give the host calls' outputs bit for

@@ -173,10 +173,14 @@ Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
 // step; then every layer's append and decode are enqueued on the runtime's
 // stream, and the step is timed from the first call to the end of its work
 // on the GPU. Outputs come back after, in layer order for the digest.
+//
+// With `block` > 0, a speculative block: each sequence's last token and
+// drafts (`block` rows of K/V and queries) appended with AppendDraftDevice
+// and verified by DecodeBlockDevice.
 class DeviceStep {
  public:
 #if QUESTKV_HAVE_CUDA
-  DeviceStep(const Geometry& g, int batch) : g_(g), batch_(batch) {}
+  DeviceStep(const Geometry& g, int batch, int block = 0) : g_(g), batch_(batch), block_(block) {}
   ~DeviceStep() {
     cudaFreeHost(host_);
     cudaFree(dev_);
@@ -185,8 +189,9 @@ class DeviceStep {
   DeviceStep& operator=(const DeviceStep&) = delete;
 
   Status Init() {
-    row_ = std::size_t(g_.kv_heads) * g_.head_dim * batch_;
-    qrow_ = std::size_t(g_.q_heads) * g_.head_dim * batch_;
+    const int rows = batch_ * std::max(block_, 1);
+    row_ = std::size_t(g_.kv_heads) * g_.head_dim * rows;
+    qrow_ = std::size_t(g_.q_heads) * g_.head_dim * rows;
     layer_elems_ = 2 * row_ + 2 * qrow_;  // k, v, q, out
     bytes_ = std::size_t(g_.layers) * layer_elems_ * DTypeBytes(g_.dtype);
     if (cudaHostAlloc(&host_, bytes_, cudaHostAllocDefault) != cudaSuccess || cudaMalloc(&dev_, bytes_) != cudaSuccess)
@@ -194,7 +199,8 @@ class DeviceStep {
     return Status::Ok();
   }
 
-  // Host f32 k, v [B][Hkv][D] and q [B][Hq][D] of a layer.
+  // Host f32 k, v [B][Hkv][D] and q [B][Hq][D] of a layer (a block: k, v
+  // [B][block][Hkv][D], q [B][block][Hq][D]).
   void Stage(int layer, const float* k, const float* v, const float* q) {
     FromFloats(k, g_.dtype, row_, At(host_, layer, 0));
     FromFloats(v, g_.dtype, row_, At(host_, layer, row_));
@@ -211,14 +217,21 @@ class DeviceStep {
     const std::size_t el = DTypeBytes(g_.dtype);
     const std::size_t kv_row = std::size_t(g_.kv_heads) * g_.head_dim * el;
     const auto t0 = std::chrono::steady_clock::now();
+    const int n = std::max(block_, 1);
+    const std::vector<int> blocks(batch_, n);
     for (int layer = 0; layer < g_.layers; ++layer) {
       const auto a0 = std::chrono::steady_clock::now();
-      for (int b = 0; b < batch_; ++b)
-        QKV_RETURN_IF_ERROR(rt.AppendDevice(batch.ids[b], layer, static_cast<char*>(At(dev_, layer, 0)) + b * kv_row,
-                                            static_cast<char*>(At(dev_, layer, row_)) + b * kv_row, 1));
+      for (int b = 0; b < batch_; ++b) {
+        const void* k = static_cast<char*>(At(dev_, layer, 0)) + std::size_t(b) * n * kv_row;
+        const void* v = static_cast<char*>(At(dev_, layer, row_)) + std::size_t(b) * n * kv_row;
+        QKV_RETURN_IF_ERROR(block_ > 0 ? rt.AppendDraftDevice(batch.ids[b], layer, k, v, n)
+                                       : rt.AppendDevice(batch.ids[b], layer, k, v, 1));
+      }
       *append_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - a0).count();
-      QKV_RETURN_IF_ERROR(rt.DecodeAttentionDevice(batch.ids, layer, At(dev_, layer, 2 * row_),
-                                                   At(dev_, layer, 2 * row_ + qrow_), nullptr, &stats));
+      void* q = At(dev_, layer, 2 * row_);
+      void* out = At(dev_, layer, 2 * row_ + qrow_);
+      QKV_RETURN_IF_ERROR(block_ > 0 ? rt.DecodeBlockDevice(batch.ids, blocks, layer, q, out, &stats)
+                                     : rt.DecodeAttentionDevice(batch.ids, layer, q, out, nullptr, &stats));
     }
     *enqueue_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     QKV_RETURN_IF_ERROR(rt.Synchronize());
@@ -245,12 +258,12 @@ class DeviceStep {
     return static_cast<char*>(base) + (std::size_t(layer) * layer_elems_ + elem) * DTypeBytes(g_.dtype);
   }
   Geometry g_;
-  int batch_;
+  int batch_, block_;
   std::size_t row_ = 0, qrow_ = 0, layer_elems_ = 0, bytes_ = 0;
   void* host_ = nullptr;  // pinned
   void* dev_ = nullptr;
 #else
-  DeviceStep(const Geometry&, int) {}
+  DeviceStep(const Geometry&, int, int = 0) {}
   Status Init() { return Status::Unimplemented("decode on device pointers needs a CUDA build"); }
   void Stage(int, const float*, const float*, const float*) {}
   Result<double> Run(Runtime&, const Batch&, AttendStats&, double*, double*) { return Init(); }
@@ -400,11 +413,40 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
     kind += s;
     block_s += s;
   };
+  // Device-pointer calls (RunOptions::device_decode): every layer's block
+  // staged, then appended and verified back to back on the runtime's stream.
+  std::unique_ptr<DeviceStep> device;
+  std::vector<float> k_all, v_all, step_out;
+  if (o.device_decode) {
+    device = std::make_unique<DeviceStep>(g, B, len);
+    QKV_RETURN_IF_ERROR(device->Init());
+    k_all.resize(std::size_t(B) * len * row);
+    v_all.resize(k_all.size());
+  }
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     block_s = 0;
     stats.time_phases = !cuda || o.decode_steps == 1 || step % 4 == 1;
     timed_blocks += stats.time_phases;
-    for (int layer = 0; layer < g.layers; ++layer) {
+    if (device) {
+      for (int layer = 0; layer < g.layers; ++layer) {
+        for (int b = 0; b < B; ++b) {
+          const std::size_t at = std::size_t(b) * len * row;
+          batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], len, k_all.data() + at, v_all.data() + at);
+          for (int i = 0; i < len; ++i)
+            batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * len + i) * qrow);
+        }
+        device->Stage(layer, k_all.data(), v_all.data(), q.data());
+      }
+      double append_us = 0, enqueue_s = 0;
+      QKV_ASSIGN_OR_RETURN(const double seconds, device->Run(rt, batch, stats, &append_us, &enqueue_s));
+      r.speculative.append_seconds += 1e-6 * append_us;
+      r.speculative.verify_seconds += seconds - 1e-6 * append_us;
+      block_s += seconds;
+      QKV_RETURN_IF_ERROR(device->Outputs(rt, step_out));
+      for (int layer = 0; layer < g.layers; ++layer)
+        Digest(r.output_digest, step_out.data() + std::size_t(layer) * out.size(), out.size());
+    }
+    for (int layer = 0; layer < g.layers && !device; ++layer) {
       for (int b = 0; b < B; ++b) {
         batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], len, k.data(), v.data());
         const auto ta = Clock::now();
