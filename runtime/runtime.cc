@@ -216,6 +216,13 @@ struct Runtime::Impl {
     return q_copy.data();
   }
 
+  // The device calls read q while they write out: the two must not share a
+  // byte over `rows` rows.
+  Status CheckDeviceAliasing(const void* q, const void* out, std::size_t rows) const {
+    if (!Overlap(q, out, rows * g.q_heads * g.head_dim * DTypeBytes(g.dtype))) return Status::Ok();
+    return Status::InvalidArgument("q and out overlap: the device path reads q while it writes out");
+  }
+
   Status CheckBatch(std::span<const SeqId> seqs_in, int layer, const void* q, const void* out) {
     QKV_RETURN_IF_ERROR(CheckLayer(layer));
     if (seqs_in.empty()) return Status::InvalidArgument("empty batch");
@@ -564,12 +571,10 @@ Status Runtime::DecodeBlockDevice(std::span<const SeqId> seqs, std::span<const i
   QKV_RETURN_IF_ERROR(BlockMatches(seqs, block));
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
   QKV_ASSIGN_OR_RETURN(const std::size_t rows, I.BlockRows(seqs, block, layer, nullptr));
-  if (Overlap(q, out, rows * I.g.q_heads * I.g.head_dim * DTypeBytes(I.g.dtype)))
-    return Status::InvalidArgument("q and out overlap: the device path reads q while it writes out");
-  if (I.config.policy.block_selection == BlockSelection::kShared)
-    return Status::Unimplemented("the CUDA backend selects each block position on its own: shared block "
-                                 "selection needs the CPU backend");
-  return I.Decode(layer, q, out, /*host_f32=*/false, /*dense=*/false, nullptr, stats);
+  QKV_RETURN_IF_ERROR(I.CheckDeviceAliasing(q, out, rows));
+  const bool shared = I.config.policy.block_selection == BlockSelection::kShared;
+  return I.Decode(layer, q, out, /*host_f32=*/false, /*dense=*/false, nullptr, stats,
+                  shared ? block : std::span<const int>{});
 }
 
 Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, const void* q, void* out,
@@ -577,9 +582,7 @@ Status Runtime::DecodeAttentionDevice(std::span<const SeqId> seqs, int layer, co
   Impl& I = *impl_;
   if (!I.backend->on_device()) return Status::FailedPrecondition("DecodeAttentionDevice needs the CUDA backend");
   QKV_RETURN_IF_ERROR(I.CheckBatch(seqs, layer, q, out));
-  const std::size_t bytes = seqs.size() * I.g.q_heads * I.g.head_dim * DTypeBytes(I.g.dtype);
-  if (Overlap(q, out, bytes))
-    return Status::InvalidArgument("q and out overlap: the device path reads q while it writes out");
+  QKV_RETURN_IF_ERROR(I.CheckDeviceAliasing(q, out, seqs.size()));
   return I.Decode(layer, q, out, /*host_f32=*/false, /*dense=*/false, selections, stats);
 }
 
