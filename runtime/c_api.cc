@@ -58,6 +58,13 @@ questkv::Status CheckBatch(const uint64_t* seqs, int batch) {
   return questkv::Status::Ok();
 }
 
+// A block call's sequences and their block sizes, one each.
+questkv::Status CheckBlockBatch(const uint64_t* seqs, const int* block, int batch) {
+  QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
+  if (!block) return questkv::Status::InvalidArgument("null block sizes");
+  return questkv::Status::Ok();
+}
+
 questkv::Config ToConfig(const qkv_config& c) {
   questkv::Config cfg;
   cfg.geometry.layers = c.layers;
@@ -205,8 +212,7 @@ qkv_status qkv_decode_attention(qkv_runtime* h, const uint64_t* seqs, int batch,
 qkv_status qkv_decode_block(qkv_runtime* h, const uint64_t* seqs, const int* block, int batch, int layer,
                             const float* q, float* out) {
   return Guarded(h, [&]() -> questkv::Status {
-    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
-    if (!block) return questkv::Status::InvalidArgument("null block sizes");
+    QKV_RETURN_IF_ERROR(CheckBlockBatch(seqs, block, batch));
     return h->rt->DecodeBlock(std::span<const uint64_t>(seqs, std::size_t(batch)),
                               std::span<const int>(block, std::size_t(batch)), layer, q, out);
   });
@@ -228,8 +234,7 @@ qkv_status qkv_append_draft_device(qkv_runtime* h, uint64_t seq, int layer, cons
 qkv_status qkv_decode_block_device(qkv_runtime* h, const uint64_t* seqs, const int* block, int batch, int layer,
                                    const void* q, void* out) {
   return Guarded(h, [&]() -> questkv::Status {
-    QKV_RETURN_IF_ERROR(CheckBatch(seqs, batch));
-    if (!block) return questkv::Status::InvalidArgument("null block sizes");
+    QKV_RETURN_IF_ERROR(CheckBlockBatch(seqs, block, batch));
     return h->rt->DecodeBlockDevice(std::span<const uint64_t>(seqs, std::size_t(batch)),
                                     std::span<const int>(block, std::size_t(batch)), layer, q, out);
   });

@@ -445,20 +445,21 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
       QKV_RETURN_IF_ERROR(device->Outputs(rt, step_out));
       for (int layer = 0; layer < g.layers; ++layer)
         Digest(r.output_digest, step_out.data() + std::size_t(layer) * out.size(), out.size());
-    }
-    for (int layer = 0; layer < g.layers && !device; ++layer) {
-      for (int b = 0; b < B; ++b) {
-        batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], len, k.data(), v.data());
-        const auto ta = Clock::now();
-        QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), len));
-        charge(r.speculative.append_seconds, ta);
-        for (int i = 0; i < len; ++i)
-          batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * len + i) * qrow);
+    } else {
+      for (int layer = 0; layer < g.layers; ++layer) {
+        for (int b = 0; b < B; ++b) {
+          batch.workloads[b].Tokens(layer, batch.lengths[b] + kept[b], len, k.data(), v.data());
+          const auto ta = Clock::now();
+          QKV_RETURN_IF_ERROR(rt.AppendDraft(batch.ids[b], layer, k.data(), v.data(), len));
+          charge(r.speculative.append_seconds, ta);
+          for (int i = 0; i < len; ++i)
+            batch.workloads[b].Query(layer, kept[b] + i, q.data() + (std::size_t(b) * len + i) * qrow);
+        }
+        const auto tv = Clock::now();
+        QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
+        charge(r.speculative.verify_seconds, tv);
+        Digest(r.output_digest, out.data(), out.size());
       }
-      const auto tv = Clock::now();
-      QKV_RETURN_IF_ERROR(rt.DecodeBlock(batch.ids, blocks, layer, q.data(), out.data(), &stats));
-      charge(r.speculative.verify_seconds, tv);
-      Digest(r.output_digest, out.data(), out.size());
     }
     const auto ts = Clock::now();
     int64_t tokens = 0;
