@@ -463,12 +463,15 @@ Status CpuBackend::Decode(const Step& s) {
         next_.indptr.assign(g_.kv_heads + 1, 0);  // prefetched with the block's first row
         next_.pages.clear();
       }
-      // This position's share: the block's pages within its causal view.
+      // This position's share: the block's pages within its causal view,
+      // and its own local window (its own token's page among them).
+      const int local_start = num_pages - std::min(std::max(c_.policy.local_pages, 1), num_pages);
       sel.indptr.assign(1, 0);
       sel.pages.clear();
       for (int h = 0; h < g_.kv_heads; ++h) {
         for (int i = 0; i < shared.count(h); ++i)
-          if (shared.row(h)[i] < num_pages) sel.pages.push_back(shared.row(h)[i]);
+          if (shared.row(h)[i] < local_start) sel.pages.push_back(shared.row(h)[i]);
+        for (int p = local_start; p < num_pages; ++p) sel.pages.push_back(p);
         sel.indptr.push_back(int32_t(sel.pages.size()));
       }
     }

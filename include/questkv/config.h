@@ -68,9 +68,10 @@ Result<GqaMode> ParseGqaMode(std::string_view s);
 //     whole list (sink and local pages of the last position) by the block's
 //     aggregate score: GqaMode's max or mean over every position and query
 //     head of the group, or with kUnion the union of each (position, head)'s
-//     top-K. Each position attends the shared pages within its causal view:
-//     an approximation (a position may miss pages its own query ranks high,
-//     and a later position's tail pages count against the budget of all).
+//     top-K. Each position attends the shared pages within its causal view
+//     and its own local window (so always its own token's page): an
+//     approximation (a position may miss pages its own query ranks high, and
+//     a later position's tail pages count against the budget of all).
 enum class BlockSelection : uint8_t { kPerPosition, kShared };
 std::string_view BlockSelectionName(BlockSelection b);
 Result<BlockSelection> ParseBlockSelection(std::string_view s);

@@ -222,9 +222,15 @@ std::vector<float> SharedBlockReference(const DenseView& view, int n, const floa
     }
     for (int pos = 0; pos < n; ++pos) {
       const int tokens = T - n + 1 + pos;
+      // The block's pages, and the position's own local window.
+      const int pages = (tokens + kS - 1) / kS;
+      std::vector<int> mine = chosen;
+      for (int p = std::max(0, pages - std::max(pol.local_pages, 1)); p < pages; ++p)
+        if (std::find(mine.begin(), mine.end(), p) == mine.end()) mine.push_back(p);
+      std::sort(mine.begin(), mine.end());
       for (int g = 0; g < G; ++g) {
         const int qh = h * G + g;
-        const auto o = test::MaskedAttention(q + (std::size_t(pos) * kHq + qh) * kD, k, v, tokens, kD, kS, chosen,
+        const auto o = test::MaskedAttention(q + (std::size_t(pos) * kHq + qh) * kD, k, v, tokens, kD, kS, mine,
                                              1.0 / std::sqrt(double(kD)));
         for (int d = 0; d < kD; ++d) out[(std::size_t(pos) * kHq + qh) * kD + d] = float(o[d]);
       }
