@@ -53,6 +53,8 @@ class DataPlane {
 
   // ---- pages ---------------------------------------------------------------------
   // A page died (its id is free again): its slots and anything keyed by it go.
+  // Called before the mover drops its homes, so that a backend can wait for
+  // its own writes to them.
   virtual void PageDied(PageId page) = 0;
   // Per-page tables hold page ids [0, pages) from now on (PageAllocator's
   // grow hook). Throws std::bad_alloc, changing nothing, when memory is short.

@@ -91,8 +91,8 @@ struct Runtime::Impl {
 
   void Release(PageId id) {
     if (!ids.Unref(id)) return;
+    backend->PageDied(id);  // first: a backend may still be writing the page's homes
     mover->Drop(id);
-    backend->PageDied(id);
   }
   void ReleaseAll(const std::vector<PageId>& pages) {
     for (PageId id : pages) Release(id);

@@ -33,6 +33,8 @@
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
 #            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
+#   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
+#            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true
@@ -116,6 +118,11 @@ for run in $RUNS; do
       one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every ${RECALL_1M:-8} \
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
+      rm -rf "$DISK" ;;
+    l3-512k-all)
+      rm -rf "$DISK" && mkdir -p "$DISK"
+      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 --cold-miss deadline \
+        --host-bytes ${HOST_512K:-40G} --disk-dir "$DISK" --disk-bytes ${DISK_512K:-40G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
   esac

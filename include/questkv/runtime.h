@@ -114,7 +114,7 @@ class Runtime {
   // asked for, or cold misses under `strict` must be waited for (a disk
   // tier), a decode call returns as soon as its work is enqueued: an
   // engine's layers run back to back on the GPU with no host round trip
-  // between them (the tiers learn what a call selected one call later).
+  // between them (the tiers learn what a call selected two calls later).
   // Otherwise the calls return with the work complete. A fault the device
   // reports for an enqueued call comes back from the next call or from
   // Synchronize().

@@ -65,6 +65,7 @@ Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                                int64_t step, bool hold) {
   HostClock clock(n < g_.page_size ? append_prof_ : fill_prof_);
+  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/seals_in_flight_.size() >= kMaxSealsInFlight));
   MarkStream(kMarkAppend);
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
@@ -98,10 +99,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   clock.Mark(kAppendFresh);
   QKV_RETURN_IF_ERROR(FlushUpdates());
   QKV_RETURN_IF_ERROR(ExtendList(part, a.resident));
-  if (!a.sealing.empty()) {
-    QKV_RETURN_IF_ERROR(Sync());  // the homes hold their bytes now
-    for (const AppendPlan::Sealing& s : a.sealing) mover_->SealEnd(s.page);
-  }  // else nothing the host reads changed: the next call on the stream sees the tokens
+  QKV_RETURN_IF_ERROR(EndSealsLater(a.sealing));
   list.pages.insert(list.pages.end(), a.fresh.begin(), a.fresh.end());
   list.tokens = a.end;
   clock.Mark(kAppendFinish);
@@ -126,7 +124,7 @@ Status CudaBackendImpl::ReserveAppend(const PageList& list, int64_t step, Append
   }
   for (int64_t p = a.old_tokens / S; p < a.end / S && !a.hold; ++p) {
     const PageId id = p < a.old_pages ? list.pages[p] : a.fresh[p - a.old_pages];
-    auto home = mover_->SealBegin(id, ids_->generation(id), step);
+    auto home = BeginSeal(id, step);
     if (!home.ok()) {
       for (const AppendPlan::Sealing& s : a.sealing) mover_->Drop(s.page);
       drop_fresh();
@@ -162,6 +160,36 @@ Status CudaBackendImpl::LaunchSeals(const std::vector<kc::SealJob>& jobs) {
   if (!st) return Status::ResourceExhausted("pinned staging for seal jobs");
   std::memcpy(st, jobs.data(), jobs.size() * sizeof(kc::SealJob));
   QKV_CUDA(kc::LaunchSealCopy(static_cast<kc::SealJob*>(StageDev(st)), int(jobs.size()), piece(), stream_));
+  return Status::Ok();
+}
+
+Result<void*> CudaBackendImpl::BeginSeal(PageId page, int64_t step) {
+  auto home = mover_->SealBegin(page, ids_->generation(page), step);
+  if (home.ok() || home.status().code() != Code::kResourceExhausted || seals_in_flight_.empty()) return home;
+  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/true));
+  return mover_->SealBegin(page, ids_->generation(page), step);
+}
+
+Status CudaBackendImpl::EndSealsLater(std::span<const AppendPlan::Sealing> seals) {
+  if (seals.empty()) return Status::Ok();  // nothing the host reads changed
+  QKV_RETURN_IF_ERROR(TicketCall());
+  for (const AppendPlan::Sealing& s : seals) {
+    SetHome(s.page, s.home);
+    seals_in_flight_.emplace_back(reads_queued_, s.page);
+    sealing_.insert(s.page);
+  }
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::EndSeals(bool wait) {
+  if (seals_in_flight_.empty()) return Status::Ok();
+  QKV_ASSIGN_OR_RETURN(const uint64_t done, ReadsDone(wait));
+  while (!seals_in_flight_.empty() && seals_in_flight_.front().first <= done) {
+    const PageId page = seals_in_flight_.front().second;
+    seals_in_flight_.pop_front();
+    sealing_.erase(page);
+    mover_->SealEnd(page);
+  }
   return Status::Ok();
 }
 
@@ -261,7 +289,7 @@ std::vector<int32_t> CudaBackendImpl::TakePinnedSlots(const PageId* page) {
 Status CudaBackendImpl::SealHeld(PageId page) {
   const auto it = held_.find(page);
   if (it == held_.end()) return Status::Ok();
-  QKV_ASSIGN_OR_RETURN(void* home, mover_->SealBegin(page, ids_->generation(page), step_));
+  QKV_ASSIGN_OR_RETURN(void* home, BeginSeal(page, step_));
   const int H = g_.kv_heads;
   std::vector<kc::SealJob> jobs;
   char* dst = static_cast<char*>(home_dev(home));
@@ -272,8 +300,8 @@ Status CudaBackendImpl::SealHeld(PageId page) {
     mover_->Drop(page);
     return s;
   }
-  QKV_RETURN_IF_ERROR(Sync());
-  mover_->SealEnd(page);
+  const AppendPlan::Sealing seal{page, 0, home};
+  QKV_RETURN_IF_ERROR(EndSealsLater({&seal, 1}));
   const Held held = std::move(it->second);
   held_.erase(it);
   for (int32_t s : held.slots) Set(slot_pinned_.as<uint8_t>() + s, 0, kc::TableOp::kSet8);

@@ -211,6 +211,7 @@ Status CudaBackendImpl::FlushUpdates() {
 
 Result<double> CudaBackendImpl::TimeDenseOffload(std::span<const PageList* const> lists, std::size_t max_bytes,
                                                  int reps, int64_t* bytes) {
+  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/true));  // every sealed page readable
   const int H = g_.kv_heads;
   const std::size_t head_page = 2 * piece();
   std::vector<kc::GatherJob> jobs;

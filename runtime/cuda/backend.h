@@ -28,14 +28,17 @@
 // misses under `strict` with a disk tier. What the host learns of a step —
 // the pages it selected (the mover's demotion order) and its cold misses
 // (promoted for the next steps under `deadline`) — a small kernel writes into
-// mapped pinned memory (a Report), read one call later, when the next call
+// mapped pinned memory (a Report), read a few calls later, when a later call
 // is enqueued, or at Synchronize(). Host homes stay put under queued kernels:
 // every such call takes a ticket and the mover keeps a home that stops being
 // readable out of use until the calls queued by then are done
 // (TierMover::SetDeviceReads). The device's cumulative count of selected
 // head-pages that found no slot is checked at the next wait, and such a
 // fault comes back from the next call or from Synchronize(). Within a step
-// nothing waits on the host except cold misses under `strict`.
+// nothing waits on the host except cold misses under `strict`. An append
+// that fills pages does not wait for their seal copies either: the copies
+// take a ticket too, and the mover ends each seal (checksum, readable,
+// demotable) once its ticket has passed, seen at a later call.
 //
 // Thread-compatible; one CUDA stream.
 //
@@ -59,7 +62,9 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <span>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kernels/cuda/kernels_cuda.h"
@@ -266,6 +271,7 @@ class CudaBackendImpl final : public DataPlane {
       std::fprintf(stderr, "questkv cuda append host profile, calls of %d tokens or more (%lld calls, us/call): %s\n",
                    g_.page_size, (long long)fill_prof_.calls, fill_prof_.Line().c_str());
     if (stream_) cudaStreamSynchronize(stream_);
+    for (const auto& [ticket, page] : seals_in_flight_) mover_->SealEnd(page);  // landed: the stream is idle
     if (c_.cuda_profile_host) {
       SettleStreamMarks();
       if (!stream_prof_.us[kSpanGraph].empty() || !stream_prof_.us[kSpanDirect].empty())
@@ -292,6 +298,8 @@ class CudaBackendImpl final : public DataPlane {
   Result<uint32_t> AddPartition() override;
   void RemovePartition(uint32_t part) override;
   void PageDied(PageId page) override {
+    // Its seal copy lands first: the mover frees the home after this.
+    if (Status s = EndSealOf(page); !s.ok() && async_error_.ok()) async_error_ = s;
     clears_.push_back({nullptr, int64_t(page), kc::TableOp::kDropPage, 0});
     if (auto it = tail_owner_.find(page); it != tail_owner_.end()) {
       parts_[it->second].tail_page = kNoPage;  // the id may come back as anyone's page
@@ -316,6 +324,7 @@ class CudaBackendImpl final : public DataPlane {
   Status TruncateTail(uint32_t part, PageId tail, int len) override;
   Status ReadPage(uint32_t part, PageId page, void* dst, int64_t step) override {
     if (!mover_->sealed(page)) return ReadUnsealed(part, page, dst);
+    QKV_RETURN_IF_ERROR(EndSealOf(page));
     return mover_->ReadPage(page, ids_->generation(page), dst, step);
   }
   Status ReadSummaries(std::span<const PageId> pages, float* dst) override;
@@ -325,7 +334,8 @@ class CudaBackendImpl final : public DataPlane {
   bool on_device() const override { return true; }
   Status Synchronize() override {
     QKV_RETURN_IF_ERROR(Sync());
-    QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/false));
+    QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/0));
+    QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));  // all landed: Sync waited for them
     return std::exchange(async_error_, Status::Ok());
   }
   void* stream() const override { return stream_; }
@@ -433,9 +443,9 @@ class CudaBackendImpl final : public DataPlane {
     int cold_cap = 0;
   };
   Status QueueReport(const StepArgs& s, const StepPlan& p);
-  // Applies pending reports, oldest first, waiting for each; all of them, or
-  // all but the newest. *selected: the head-pages they selected.
-  Status TakeReports(bool keep_newest, int64_t* selected = nullptr);
+  // Applies pending reports, oldest first, waiting for each, until the
+  // newest `keep` are left. *selected: the head-pages the newest selected.
+  Status TakeReports(int keep, int64_t* selected = nullptr);
   Status ApplyReport(Report& r, int64_t* selected);
   // Tickets of the calls that may still read host homes (see the top).
   uint64_t ReadsQueued() const { return reads_done_ < reads_queued_ ? reads_queued_ : 0; }
@@ -538,6 +548,18 @@ class CudaBackendImpl final : public DataPlane {
   Status SealThrough(const Partition& P, AppendPlan& a, int64_t last_logical, int64_t first_staged);
   // Copies head-pages from their slots to their homes, on the stream.
   Status LaunchSeals(const std::vector<kc::SealJob>& jobs);
+  // Seals without a wait for their copies. BeginSeal: the page's home
+  // (SealBegin, tried again once the copies in flight have landed when the
+  // host has no room: their homes cannot be demoted until then).
+  // EndSealsLater, once the copies are enqueued: the homes go into the
+  // device's host_addr at once (the stream orders the copy before any later
+  // read) and the mover's SealEnd (checksum, host-readable, demotable) waits
+  // for the copies' ticket. EndSeals: those whose ticket has passed, or all
+  // after a wait; EndSealOf: the page's, before the host reads or frees it.
+  Result<void*> BeginSeal(PageId page, int64_t step);
+  Status EndSealsLater(std::span<const AppendPlan::Sealing> seals);
+  Status EndSeals(bool wait);
+  Status EndSealOf(PageId page) { return sealing_.count(page) ? EndSeals(/*wait=*/true) : Status::Ok(); }
   Status AppendRows(const AppendPlan& a, int64_t t0, int64_t t1, const void** kd, const void** vd);
   Status AppendToOldTail(uint32_t part, AppendPlan& a);
   Status AppendFreshPages(uint32_t part, AppendPlan& a);
@@ -587,11 +609,21 @@ class CudaBackendImpl final : public DataPlane {
   bool unchecked_async_ = false;
   uint64_t bypasses_seen_ = 0;
   Status async_error_;  // the first such fault, until returned
-  Report reports_[2];
+  // A call that returns at once waits for the report of the call
+  // kReportsInFlight - 1 before it: the device has that many calls queued
+  // while the host applies a report (at a million pages its notes take about
+  // as long as a call runs on the device).
+  static constexpr int kReportsInFlight = 3;
+  Report reports_[kReportsInFlight];
   uint64_t report_seq_ = 0;
   uint64_t reads_queued_ = 0, reads_done_ = 0;
   std::deque<std::pair<uint64_t, cudaEvent_t>> ticket_events_;  // oldest first
   std::vector<cudaEvent_t> spare_events_;
+  // Seal copies enqueued, not yet ended: (their ticket, page), oldest first.
+  // An append waits for them past kMaxSealsInFlight.
+  static constexpr std::size_t kMaxSealsInFlight = 4096;
+  std::deque<std::pair<uint64_t, PageId>> seals_in_flight_;
+  std::unordered_set<PageId> sealing_;
 
   Status ReserveIo(std::size_t bytes) {
     if (bytes <= io_cap_) return Status::Ok();

@@ -114,15 +114,18 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
     if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
     p.clock.Mark(kLaunch);
-    // The previous call's report, while this one runs.
-    QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/true));
+    // The reports of all but the newest kReportsInFlight - 1 calls; the
+    // device runs those meanwhile.
+    QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/kReportsInFlight - 1));
+    QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));
     p.clock.Mark(kReadback);
     return Status::Ok();
   }
   QKV_RETURN_IF_ERROR(ReadBack(s, p));
   QKV_RETURN_IF_ERROR(ReturnSelections(s, p));
   int64_t reported = 0;
-  QKV_RETURN_IF_ERROR(TakeReports(/*keep_newest=*/false, &reported));
+  QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/0, &reported));
+  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));
   // entries: exact for max/mean and dense; union rows may use less. A block
   // step's report counts its lists' unions, not its rows.
   if (s.selected && !p.want_sel) *s.selected += p.note && !p.block ? reported : p.entries;

@@ -309,7 +309,7 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
   return Status::Ok();
 }
 
-Status CudaBackendImpl::TakeReports(bool keep_newest, int64_t* selected) {
+Status CudaBackendImpl::TakeReports(int keep, int64_t* selected) {
   for (;;) {
     Report* oldest = nullptr;
     int pending = 0;
@@ -318,7 +318,7 @@ Status CudaBackendImpl::TakeReports(bool keep_newest, int64_t* selected) {
       ++pending;
       if (!oldest || x.seq < oldest->seq) oldest = &x;
     }
-    if (pending == 0 || (keep_newest && pending == 1)) return Status::Ok();
+    if (pending <= keep) return Status::Ok();
     QKV_CUDA(cudaEventSynchronize(oldest->done));
     QKV_RETURN_IF_ERROR(ApplyReport(*oldest, pending == 1 ? selected : nullptr));
   }

@@ -887,6 +887,54 @@ TEST(CudaApi, ALongAppendRefusedPartWayLeavesTheSequenceAsItWas) {
   EXPECT_EQ(rt->tier_stats().host_used_bytes, 0u);
 }
 
+// Appends that fill pages return before their seal copies land. Sequences
+// freed right after such appends, their homes taken at once by the next
+// sequence's seals (40 host homes, no disk, each round sealing 36 pages):
+// the next sequence's pages, read right after their appends (Gather), hold
+// their own bytes, none lost to a home reused too soon.
+TEST(CudaTiers, HomesFreedWhileTheirSealsLandServeTheNextSequence) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config cfg = MakeConfig(Backend::kCuda, c);
+  cfg.host_bytes = 40 * 8192;  // homes of [2][Hkv][S][D] f16
+  QKV_CREATE_CUDA(rt, cfg);
+  const Geometry& g = cfg.geometry;
+  const std::size_t row = std::size_t(g.kv_heads) * g.head_dim;
+  const int64_t n = 12 * 16 + 5;  // 12 full pages a layer
+  auto heads_major = [&](const std::vector<float>& x) {  // [T][Hkv][D] -> [Hkv][T][D]
+    std::vector<float> y(x.size());
+    for (int64_t t = 0; t < n; ++t)
+      for (int h = 0; h < g.kv_heads; ++h)
+        std::copy_n(x.data() + (t * g.kv_heads + h) * g.head_dim, g.head_dim,
+                    y.data() + (h * n + t) * g.head_dim);
+    return y;
+  };
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const SeqId s = *rt->CreateSequence();
+    std::vector<std::vector<float>> ks, vs;
+    for (int l = 0; l < g.layers; ++l) {
+      ks.push_back(Rounded(test::RandomNormal(n * row, 700 + 10 * round + l), c.dtype));
+      vs.push_back(Rounded(test::RandomNormal(n * row, 800 + 10 * round + l), c.dtype));
+      for (int64_t t = 0; t < n; t += 7) {
+        const int64_t m = std::min<int64_t>(7, n - t);
+        const Status st = rt->Append(s, l, ks[l].data() + t * row, vs[l].data() + t * row, m);
+        ASSERT_TRUE(st.ok()) << "layer " << l << " token " << t << ": " << st.ToString();
+      }
+    }
+    for (int l = 0; l < g.layers && round % 2 == 0; ++l) {  // odd rounds: freed at once
+      auto got = rt->Gather(s, l);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(got->k, heads_major(ks[l])) << "layer " << l;
+      EXPECT_EQ(got->v, heads_major(vs[l])) << "layer " << l;
+    }
+    ASSERT_TRUE(rt->Free(s).ok());
+  }
+  EXPECT_EQ(rt->live_pages(), 0u);
+  ASSERT_TRUE(rt->Synchronize().ok());
+  EXPECT_EQ(rt->tier_stats().host_used_bytes, 0u);
+  EXPECT_EQ(rt->tier_stats().bytes_hbm_to_host, 6 * 36 * 8192);
+}
+
 // Bad input: clear errors, and the runtime keeps serving.
 TEST(CudaErrors, BadInputLeavesTheRuntimeConsistent) {
   Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
