@@ -42,6 +42,16 @@ void CheckHostF32(const Tensor& t, const char* name, std::vector<int64_t> shape)
   TORCH_CHECK(t.sizes().vec() == shape, name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
 }
 
+// A tensor the device API can read: on the GPU, in the model dtype,
+// contiguous, of `shape`.
+void CheckDevice(const Tensor& t, const char* name, std::vector<int64_t> shape, DType dtype) {
+  const at::ScalarType want = dtype == DType::kF16 ? at::kHalf : dtype == DType::kBF16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == want, name, " must be ", want, " (the model dtype) on the GPU, not ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.sizes().vec() == shape, name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
+}
+
 void CheckIntVector(const Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kInt && t.device().is_cpu() && t.is_contiguous(), name,
               " must be a contiguous CPU int32 vector");
@@ -157,10 +167,21 @@ class RuntimeHolder : public torch::CustomClassHolder {
   void Free(int64_t seq) { Check(rt_->Free(Seq(seq))); }
   int64_t Length(int64_t seq, int64_t layer) { return Value(rt_->Length(Seq(seq), Layer(layer))); }
 
-  // k, v: [n][Hkv][D]; drafts with `draft` (Runtime::AppendDraft).
+  // k, v: [n][Hkv][D]; drafts with `draft` (Runtime::AppendDraft). CPU
+  // tensors are float32 (the host API); CUDA tensors are the model dtype,
+  // read on the runtime's stream (the device API; the Python package orders
+  // that stream after the caller's).
   void Append(int64_t seq, int64_t layer, const Tensor& k, const Tensor& v, bool draft) {
     TORCH_CHECK(k.dim() == 3, "k must be [n, kv_heads, head_dim], not ", k.sizes());
     const std::vector<int64_t> shape = {k.size(0), g_.kv_heads, g_.head_dim};
+    if (k.is_cuda()) {
+      CheckDevice(k, "k", shape, g_.dtype);
+      CheckDevice(v, "v", shape, g_.dtype);
+      TORCH_CHECK(v.device() == k.device(), "k and v must be on the same device");
+      Check(draft ? rt_->AppendDraftDevice(Seq(seq), Layer(layer), k.data_ptr(), v.data_ptr(), k.size(0))
+                  : rt_->AppendDevice(Seq(seq), Layer(layer), k.data_ptr(), v.data_ptr(), k.size(0)));
+      return;
+    }
     CheckHostF32(k, "k", shape);
     CheckHostF32(v, "v", shape);
     const float* kp = k.data_ptr<float>();
@@ -187,13 +208,24 @@ class RuntimeHolder : public torch::CustomClassHolder {
       rows += n;
     }
     const std::vector<int64_t> shape = {rows, g_.q_heads, g_.head_dim};
-    CheckHostF32(q, "q", shape);
-    Tensor o = at::empty(shape, q.options());
     std::vector<SeqId> ids;
     for (int64_t s : seqs) ids.push_back(Seq(s));
+    if (q.is_cuda()) {
+      CheckDevice(q, "q", shape, g_.dtype);
+      Tensor o = at::empty(shape, q.options());
+      AttendStats stats;
+      stats.time_phases = false;
+      Check(rt_->DecodeBlockDevice(ids, sizes, Layer(layer), q.data_ptr(), o.data_ptr(), &stats));
+      Count(stats);
+      return o;
+    }
+    CheckHostF32(q, "q", shape);
+    Tensor o = at::empty(shape, q.options());
     Check(rt_->DecodeBlock(ids, sizes, Layer(layer), q.data_ptr<float>(), o.data_ptr<float>()));
     return o;
   }
+  // The runtime's CUDA stream (cudaStream_t as an integer; 0 on the CPU backend).
+  int64_t CudaStream() { return int64_t(reinterpret_cast<uintptr_t>(rt_->cuda_stream())); }
 
   c10::Dict<std::string, int64_t> Stats() {
     const TierStats t = rt_->tier_stats();
@@ -252,16 +284,30 @@ class RuntimeHolder : public torch::CustomClassHolder {
                 bool dense) {
     TORCH_CHECK(!seqs.empty(), "empty batch");
     const std::vector<int64_t> shape = {int64_t(seqs.size()), g_.q_heads, g_.head_dim};
-    CheckHostF32(q, "q", shape);
-    Tensor o = out.has_value() ? *out : at::empty(shape, q.options());
-    CheckHostF32(o, "out", shape);
     std::vector<SeqId> ids;
     for (int64_t s : seqs) ids.push_back(Seq(s));
     const int l = Layer(layer);
     AttendStats stats;
     stats.time_phases = false;
+    if (q.is_cuda()) {
+      TORCH_CHECK(!dense, "dense attention takes CPU tensors");
+      CheckDevice(q, "q", shape, g_.dtype);
+      Tensor o = out.has_value() ? *out : at::empty(shape, q.options());
+      CheckDevice(o, "out", shape, g_.dtype);
+      TORCH_CHECK(o.device() == q.device(), "q and out must be on the same device");
+      Check(rt_->DecodeAttentionDevice(ids, l, q.data_ptr(), o.data_ptr(), nullptr, &stats));
+      Count(stats);
+      return o;
+    }
+    CheckHostF32(q, "q", shape);
+    Tensor o = out.has_value() ? *out : at::empty(shape, q.options());
+    CheckHostF32(o, "out", shape);
     Check(dense ? rt_->DenseAttention(ids, l, q.data_ptr<float>(), o.data_ptr<float>())
                 : rt_->DecodeAttention(ids, l, q.data_ptr<float>(), o.data_ptr<float>(), nullptr, &stats));
+    Count(stats);
+    return o;
+  }
+  void Count(const AttendStats& stats) {
     attend_.head_pages_selected += stats.head_pages_selected;
     attend_.head_pages_total += stats.head_pages_total;
     attend_.kv_bytes_read += stats.kv_bytes_read;
@@ -272,7 +318,6 @@ class RuntimeHolder : public torch::CustomClassHolder {
     attend_.adaptive_pages_max = std::max(attend_.adaptive_pages_max, stats.adaptive_pages_max);
     attend_.adaptive_cap_hits += stats.adaptive_cap_hits;
     for (int i = 0; i <= AttendStats::kAdaptiveHistPages; ++i) attend_.adaptive_hist[i] += stats.adaptive_hist[i];
-    return o;
   }
 
   std::unique_ptr<Runtime> rt_;
@@ -392,7 +437,8 @@ TORCH_LIBRARY(questkv, m) {
       .def("dense", &RuntimeHolder::Dense)
       .def("decode_block", &RuntimeHolder::DecodeBlock)
       .def("stats", &RuntimeHolder::Stats)
-      .def("synchronize", &RuntimeHolder::Synchronize);
+      .def("synchronize", &RuntimeHolder::Synchronize)
+      .def("cuda_stream", &RuntimeHolder::CudaStream);
   m.def("update_summaries(Tensor k_cache, Tensor(a!) summaries, Tensor pages, Tensor lens, str layout) -> ()",
         &questkv::torch_ops::UpdateSummaries);
   m.def("select_pages(Tensor q, Tensor summaries, Tensor indptr, Tensor indices, Tensor last_page_len, int page_size, "

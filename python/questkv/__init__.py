@@ -55,10 +55,28 @@ class Runtime:
     K/V enter per layer as ``[n, kv_heads, head_dim]`` (post-RoPE keys);
     ``decode`` takes ``q [B, q_heads, head_dim]`` for a batch of sequences at
     one layer and returns ``out`` of the same shape (or writes ``out=``).
+    Tensors are float32 on the CPU, or, with ``backend="cuda"``, the model
+    ``dtype`` on the GPU: then the runtime's stream runs after the work
+    queued so far on the caller's current stream, which in turn waits for
+    the call's work, so nothing is copied and nothing waits on the host.
     """
 
     def __init__(self, **config):
         self._rt = torch.classes.questkv.Runtime(_options(config))
+        self._stream = None  # the runtime's stream, as torch sees it (first CUDA call)
+
+    def _ordered(self, tensor, call):
+        """call(), ordered after the caller's current stream and before its
+        later work when ``tensor`` is on the GPU."""
+        if not tensor.is_cuda or self._rt.cuda_stream() == 0:
+            return call()  # CPU tensors, or the op's own error for CUDA ones
+        if self._stream is None:
+            self._stream = torch.cuda.ExternalStream(self._rt.cuda_stream(), device=tensor.device)
+        caller = torch.cuda.current_stream(tensor.device)
+        self._stream.wait_stream(caller)
+        result = call()
+        caller.wait_stream(self._stream)
+        return result
 
     def create_sequence(self):
         return self._rt.create_sequence()
@@ -81,14 +99,14 @@ class Runtime:
     def append(self, seq, layer, k, v, draft=False):
         """Appends ``k, v [n, kv_heads, head_dim]``; ``draft=True``: draft
         tokens, whose full pages stay off the host and disk until ``accept``."""
-        self._rt.append(seq, layer, k, v, draft)
+        self._ordered(k, lambda: self._rt.append(seq, layer, k, v, draft))
 
     def accept(self, seq):
         """The drafts left after ``rollback`` become ordinary tokens."""
         self._rt.accept(seq)
 
     def decode(self, seqs, layer, q, out=None):
-        return self._rt.decode(list(seqs), layer, q, out)
+        return self._ordered(q, lambda: self._rt.decode(list(seqs), layer, q, out))
 
     def dense(self, seqs, layer, q, out=None):
         return self._rt.dense(list(seqs), layer, q, out)
@@ -97,7 +115,7 @@ class Runtime:
         """Verifies a block of ``block[b]`` draft tokens per sequence (already
         appended): ``q [sum(block), q_heads, head_dim]``, one row per token,
         each attending causally with its own page selection."""
-        return self._rt.decode_block(list(seqs), list(block), layer, q)
+        return self._ordered(q, lambda: self._rt.decode_block(list(seqs), list(block), layer, q))
 
     def stats(self):
         return dict(self._rt.stats())

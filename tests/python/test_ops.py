@@ -341,5 +341,108 @@ class OwnedCache(unittest.TestCase):
             self.assertGreater(small.stats()["bytes_disk_to_host"], 0)
 
 
+def cuda_runtime(**kw):
+    """A CUDA-backend runtime, or None where questkv was built without CUDA."""
+    base = dict(layers=2, q_heads=8, kv_heads=2, head_dim=64, page_size=16, dtype="f16", token_budget=128,
+                sink_pages=1, local_pages=2, dense_layers=[0], max_pages=4096, backend="cuda")
+    base.update(kw)
+    try:
+        return questkv.Runtime(**base)
+    except RuntimeError as e:
+        if "CUDA" in str(e) or "cuda" in str(e):
+            return None
+        raise
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+class DeviceTensors(unittest.TestCase):
+    """CUDA tensors in the model dtype (the device API) against float32 CPU
+    tensors (the host API) of a twin runtime: the same pages, outputs within
+    f16 rounding; work queued on a side stream of the caller's."""
+    HKV, HQ, D, S = 2, 8, 64, 16
+
+    def setUp(self):
+        self.host, self.dev = cuda_runtime(), cuda_runtime()
+        if self.host is None:
+            self.skipTest("questkv built without the CUDA backend")
+        self.g = torch.Generator().manual_seed(11)
+
+    def kv(self, n):
+        k = torch.randn(n, self.HKV, self.D, generator=self.g).half()
+        v = torch.randn(n, self.HKV, self.D, generator=self.g).half()
+        return k, v
+
+    def append_both(self, seqs, layer, k, v, draft=False):
+        self.host.append(seqs[0], layer, k.float(), v.float(), draft=draft)
+        self.dev.append(seqs[1], layer, k.cuda(), v.cuda(), draft=draft)
+
+    def test_decode_and_blocks_match_the_host_api_on_a_side_stream(self):
+        side = torch.cuda.Stream()
+        seqs = [(self.host.create_sequence(), self.dev.create_sequence()) for _ in range(2)]
+        with torch.cuda.stream(side):
+            for i, s in enumerate(seqs):
+                for layer in range(2):
+                    k, v = self.kv(300 + 37 * i)
+                    for start in range(0, k.shape[0], 64):
+                        self.append_both(s, layer, k[start:start + 64].contiguous(), v[start:start + 64].contiguous())
+            for step in range(6):
+                for layer in range(2):
+                    for s in seqs:
+                        self.append_both(s, layer, *self.kv(1))
+                    q = torch.randn(2, self.HQ, self.D, generator=self.g).half()
+                    want = self.host.decode([s[0] for s in seqs], layer, q.float())
+                    # q made on the side stream right before the call: the
+                    # runtime's stream must wait for it.
+                    qd = q.cuda() * 1.0
+                    got = self.dev.decode([s[1] for s in seqs], layer, qd)
+                    self.assertEqual(got.dtype, torch.float16)
+                    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+            # Blocks of drafts: 5 and 3 tokens, verified in one call, 2 and 1 kept.
+            blocks = [5, 3]
+            for layer in range(2):
+                for s, n in zip(seqs, blocks):
+                    self.append_both(s, layer, *self.kv(n), draft=True)
+            for layer in range(2):
+                q = torch.randn(sum(blocks), self.HQ, self.D, generator=self.g).half()
+                want = self.host.decode_block([s[0] for s in seqs], blocks, layer, q.float())
+                got = self.dev.decode_block([s[1] for s in seqs], blocks, layer, q.cuda())
+                torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+            for rt, col in ((self.host, 0), (self.dev, 1)):
+                rt.rollback(seqs[0][col], 3)
+                rt.rollback(seqs[1][col], 2)
+                rt.accept(seqs[0][col])
+                rt.accept(seqs[1][col])
+            for layer in range(2):
+                for s in seqs:
+                    self.append_both(s, layer, *self.kv(1))
+                q = torch.randn(2, self.HQ, self.D, generator=self.g).half()
+                want = self.host.decode([s[0] for s in seqs], layer, q.float())
+                out = torch.empty(2, self.HQ, self.D, dtype=torch.float16, device="cuda")
+                self.assertIs(self.dev.decode([s[1] for s in seqs], layer, q.cuda(), out=out), out)
+                torch.testing.assert_close(out.float().cpu(), want, rtol=2e-3, atol=2e-3)
+        torch.cuda.current_stream().wait_stream(side)
+        self.assertEqual([self.dev.length(s[1], 1) for s in seqs], [self.host.length(s[0], 1) for s in seqs])
+
+    def test_bad_device_tensors_are_errors_that_change_nothing(self):
+        s = self.dev.create_sequence()
+        k, v = self.kv(20)
+        self.dev.append(s, 1, k.cuda(), v.cuda())
+        with self.assertRaisesRegex(RuntimeError, "model dtype"):
+            self.dev.append(s, 1, k.float().cuda(), v.float().cuda())
+        with self.assertRaisesRegex(RuntimeError, "shape"):
+            self.dev.append(s, 1, k[:, :1].contiguous().cuda(), v[:, :1].contiguous().cuda())
+        with self.assertRaisesRegex(RuntimeError, "same device|CUDA tensor|CPU tensor"):
+            self.dev.append(s, 1, k.cuda(), v)
+        q = torch.randn(1, self.HQ, self.D).half().cuda()
+        with self.assertRaisesRegex(RuntimeError, "CPU tensors"):
+            self.dev.dense([s], 1, q)
+        self.assertEqual(self.dev.length(s, 1), 20)
+        self.assertEqual(self.dev.decode([s], 1, q).shape, (1, self.HQ, self.D))
+        cpu = runtime()
+        cs = cpu.create_sequence()
+        with self.assertRaisesRegex(RuntimeError, "CUDA backend"):
+            cpu.append(cs, 1, torch.randn(2, HKV, D).cuda(), torch.randn(2, HKV, D).cuda())
+
+
 if __name__ == "__main__":
     unittest.main()
