@@ -65,7 +65,7 @@ Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page
 Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                                int64_t step, bool hold) {
   HostClock clock(n < g_.page_size ? append_prof_ : fill_prof_);
-  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/seals_in_flight_.size() >= kMaxSealsInFlight));
+  QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/sealing_.size() >= kMaxSealsInFlight));
   MarkStream(kMarkAppend);
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
@@ -165,30 +165,40 @@ Status CudaBackendImpl::LaunchSeals(const std::vector<kc::SealJob>& jobs) {
 
 Result<void*> CudaBackendImpl::BeginSeal(PageId page, int64_t step) {
   auto home = mover_->SealBegin(page, ids_->generation(page), step);
-  if (home.ok() || home.status().code() != Code::kResourceExhausted || seals_in_flight_.empty()) return home;
+  if (home.ok() || home.status().code() != Code::kResourceExhausted || sealing_.empty()) return home;
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/true));
   return mover_->SealBegin(page, ids_->generation(page), step);
 }
 
 Status CudaBackendImpl::EndSealsLater(std::span<const AppendPlan::Sealing> seals) {
   if (seals.empty()) return Status::Ok();  // nothing the host reads changed
-  QKV_RETURN_IF_ERROR(TicketCall());
+  SealBatch b;
+  QKV_RETURN_IF_ERROR(RecordEvent(&b.done));
   for (const AppendPlan::Sealing& s : seals) {
     SetHome(s.page, s.home);
-    seals_in_flight_.emplace_back(reads_queued_, s.page);
+    b.pages.push_back(s.page);
     sealing_.insert(s.page);
   }
+  seal_batches_.push_back(std::move(b));
   return Status::Ok();
 }
 
 Status CudaBackendImpl::EndSeals(bool wait) {
-  if (seals_in_flight_.empty()) return Status::Ok();
-  QKV_ASSIGN_OR_RETURN(const uint64_t done, ReadsDone(wait));
-  while (!seals_in_flight_.empty() && seals_in_flight_.front().first <= done) {
-    const PageId page = seals_in_flight_.front().second;
-    seals_in_flight_.pop_front();
-    sealing_.erase(page);
-    mover_->SealEnd(page);
+  while (!seal_batches_.empty()) {
+    SealBatch& b = seal_batches_.front();
+    if (wait) {
+      QKV_CUDA(cudaEventSynchronize(b.done));
+    } else if (const cudaError_t q = cudaEventQuery(b.done); q == cudaErrorNotReady) {
+      break;
+    } else {
+      QKV_CUDA(q);
+    }
+    for (PageId page : b.pages) {
+      sealing_.erase(page);
+      mover_->SealEnd(page);
+    }
+    spare_events_.push_back(b.done);
+    seal_batches_.pop_front();
   }
   return Status::Ok();
 }

@@ -154,14 +154,22 @@ void CudaBackendImpl::SettleStreamMarks() {
 // an event that says when it is done.
 Status CudaBackendImpl::TicketCall() {
   cudaEvent_t e = nullptr;
+  QKV_RETURN_IF_ERROR(RecordEvent(&e));
+  ticket_events_.emplace_back(++reads_queued_, e);
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::RecordEvent(cudaEvent_t* e) {
   if (spare_events_.empty()) {
-    QKV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    QKV_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   } else {
-    e = spare_events_.back();
+    *e = spare_events_.back();
     spare_events_.pop_back();
   }
-  ticket_events_.emplace_back(++reads_queued_, e);
-  QKV_CUDA(cudaEventRecord(e, stream_));
+  if (const cudaError_t r = cudaEventRecord(*e, stream_); r != cudaSuccess) {
+    spare_events_.push_back(*e);
+    return CudaStatus("cudaEventRecord", r);
+  }
   return Status::Ok();
 }
 

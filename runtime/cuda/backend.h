@@ -36,9 +36,9 @@
 // head-pages that found no slot is checked at the next wait, and such a
 // fault comes back from the next call or from Synchronize(). Within a step
 // nothing waits on the host except cold misses under `strict`. An append
-// that fills pages does not wait for their seal copies either: the copies
-// take a ticket too, and the mover ends each seal (checksum, readable,
-// demotable) once its ticket has passed, seen at a later call.
+// that fills pages does not wait for their seal copies either: an event
+// follows the copies, and the mover ends each seal (checksum, readable,
+// demotable) once that event has passed, seen at a later call.
 //
 // Thread-compatible; one CUDA stream.
 //
@@ -271,7 +271,10 @@ class CudaBackendImpl final : public DataPlane {
       std::fprintf(stderr, "questkv cuda append host profile, calls of %d tokens or more (%lld calls, us/call): %s\n",
                    g_.page_size, (long long)fill_prof_.calls, fill_prof_.Line().c_str());
     if (stream_) cudaStreamSynchronize(stream_);
-    for (const auto& [ticket, page] : seals_in_flight_) mover_->SealEnd(page);  // landed: the stream is idle
+    for (const SealBatch& b : seal_batches_) {  // landed: the stream is idle
+      for (PageId page : b.pages) mover_->SealEnd(page);
+      cudaEventDestroy(b.done);
+    }
     if (c_.cuda_profile_host) {
       SettleStreamMarks();
       if (!stream_prof_.us[kSpanGraph].empty() || !stream_prof_.us[kSpanDirect].empty())
@@ -451,6 +454,8 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t ReadsQueued() const { return reads_done_ < reads_queued_ ? reads_queued_ : 0; }
   Result<uint64_t> ReadsDone(bool wait);
   Status TicketCall();
+  // A spare event (or a new one, without timing) recorded on the stream.
+  Status RecordEvent(cudaEvent_t* e);
   // A page with no home yet (the tail, or a held draft page) from its slots.
   Status ReadUnsealed(uint32_t part, PageId page, void* dst);
   struct Partition {
@@ -554,8 +559,9 @@ class CudaBackendImpl final : public DataPlane {
   // EndSealsLater, once the copies are enqueued: the homes go into the
   // device's host_addr at once (the stream orders the copy before any later
   // read) and the mover's SealEnd (checksum, host-readable, demotable) waits
-  // for the copies' ticket. EndSeals: those whose ticket has passed, or all
-  // after a wait; EndSealOf: the page's, before the host reads or frees it.
+  // for an event after the copies. EndSeals: those whose event has passed,
+  // or all after a wait; EndSealOf: the page's, before the host reads or
+  // frees it.
   Result<void*> BeginSeal(PageId page, int64_t step);
   Status EndSealsLater(std::span<const AppendPlan::Sealing> seals);
   Status EndSeals(bool wait);
@@ -619,10 +625,16 @@ class CudaBackendImpl final : public DataPlane {
   uint64_t reads_queued_ = 0, reads_done_ = 0;
   std::deque<std::pair<uint64_t, cudaEvent_t>> ticket_events_;  // oldest first
   std::vector<cudaEvent_t> spare_events_;
-  // Seal copies enqueued, not yet ended: (their ticket, page), oldest first.
-  // An append waits for them past kMaxSealsInFlight.
+  // Seal copies enqueued, not yet ended: each call's pages and the event
+  // after their copies, oldest first; an append waits for them past
+  // kMaxSealsInFlight pages. (Not tickets: a seal writes only its own
+  // homes, so it keeps no freed home out of use.)
+  struct SealBatch {
+    cudaEvent_t done = nullptr;
+    std::vector<PageId> pages;
+  };
   static constexpr std::size_t kMaxSealsInFlight = 4096;
-  std::deque<std::pair<uint64_t, PageId>> seals_in_flight_;
+  std::deque<SealBatch> seal_batches_;
   std::unordered_set<PageId> sealing_;
 
   Status ReserveIo(std::size_t bytes) {

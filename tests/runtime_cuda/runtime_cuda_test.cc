@@ -459,7 +459,12 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
       for (std::size_t b = 0; b < seqs.size(); ++b) blocks.push_back(step == 2 ? 33 : 1 + int(rng() % 20)), rows += blocks.back();
       std::vector<int64_t> before(seqs.size()), sealed_before(3);
       for (std::size_t b = 0; b < seqs.size(); ++b) before[b] = *rts[0]->Length(seqs[b][0], 0);
-      for (int i = 0; i < 3; ++i) sealed_before[i] = rts[i]->tier_stats().bytes_hbm_to_host;
+      // Bytes sealed so far: a seal counts once its copy has landed (after a wait).
+      auto sealed = [&](int i) {
+        EXPECT_TRUE(rts[i]->Synchronize().ok());
+        return rts[i]->tier_stats().bytes_hbm_to_host;
+      };
+      for (int i = 0; i < 3; ++i) sealed_before[i] = sealed(i);
       for (int l = 0; l < g.layers; ++l) {
         const auto k = test::RandomNormal(std::size_t(rows) * row, 1000 * step + 10 * l);
         const auto v = test::RandomNormal(std::size_t(rows) * row, 1000 * step + 10 * l + 1);
@@ -483,7 +488,7 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
         EXPECT_LE(test::RelL2Error(outs[2].data(), outs[0].data(), q.size()), c.tol) << "layer " << l;
       }
       for (int i = 0; i < 3; ++i)
-        EXPECT_EQ(rts[i]->tier_stats().bytes_hbm_to_host, sealed_before[i]) << "runtime " << i << " sealed a draft";
+        EXPECT_EQ(sealed(i), sealed_before[i]) << "runtime " << i << " sealed a draft";
       std::vector<int64_t> after(seqs.size());
       for (std::size_t b = 0; b < seqs.size(); ++b) {
         const int reject = step == 2 ? 17 + int(b) : int(rng() % (blocks[b] + 1));
@@ -498,7 +503,7 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
       int64_t accepted_pages = 0;
       for (std::size_t b = 0; b < seqs.size(); ++b) accepted_pages += after[b] / g.page_size - before[b] / g.page_size;
       for (int i = 0; i < 3; ++i)
-        EXPECT_EQ(rts[i]->tier_stats().bytes_hbm_to_host - sealed_before[i], accepted_pages * g.layers * page_bytes)
+        EXPECT_EQ(sealed(i) - sealed_before[i], accepted_pages * g.layers * page_bytes)
             << "runtime " << i;
       for (int l = 0; l < g.layers; ++l) tw.Decode(seqs, l, c.tol);
     }
