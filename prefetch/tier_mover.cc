@@ -20,6 +20,8 @@ constexpr int64_t kOrderAgeModelSteps = 64;
 // host page took 411 ms for 1.3M of them (a 1M-token Llama-3-8B's host tier;
 // this machine), the partial selection and sort of the coldest 64K 50 ms.
 constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
+// Demotion writes a Pump call submits at most.
+constexpr int kPumpWrites = 4;
 }  // namespace
 
 TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
@@ -211,10 +213,13 @@ Status TierMover::Pump(int64_t step) {
   // A quarter of the I/O queue stays free for promotions: a full queue of
   // background writes refused every deadline promotion, step after step,
   // on a 1M-token run whose host tier sat above its high-water mark. A
-  // failing disk gets one probe write at a time.
+  // failing disk gets one probe write at a time. Each call submits at most
+  // kPumpWrites: a write checks its page's checksum on the decode thread,
+  // and a backlog of gigabytes past the high-water mark (a long prefill)
+  // made every decode call wait for a queue's worth of them.
   const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
   if (homes_used() > high_water_ * host_->capacity())
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes));
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, kPumpWrites));
   return Status::Ok();
 }
 
@@ -284,7 +289,8 @@ Status TierMover::WaitIdle(uint32_t page) {
 // and Pump demote a queue's worth at a time, and re-sorting a million pages
 // for each would cost more than the writes. Entries are re-checked as they
 // are used; a page selected since the order was made is passed over.
-Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_flight) {
+Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_flight, int max_new) {
+  int submitted = 0;
   auto eligible = [&](const Home& h) { return h.host_valid && h.io == Io::kIdle && h.pinned_epoch < read_epoch_; };
   std::size_t used = homes_used();
   bool queue_full = false;
@@ -322,7 +328,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
         --used;
         continue;
       }
-      if (disk_->in_flight() >= max_in_flight) {  // the rest next time
+      if (disk_->in_flight() >= max_in_flight || submitted >= max_new) {  // the rest next time
         queue_full = true;
         break;
       }
@@ -344,6 +350,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
         continue;
       }
       h.io = Io::kWriting;
+      ++submitted;
       --used;
     }
   }
