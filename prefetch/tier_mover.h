@@ -174,8 +174,8 @@ class TierMover {
   Status WaitIdle(uint32_t page);
   Status MakeHostRoom(int64_t step);
   // Writes stop at `max_in_flight` I/Os in flight (background demotion
-  // leaves room in the queue for promotions; a failing disk gets one).
-  // Writes stop at `max_new` submitted by this call (Pump's share of a call's host time).
+  // leaves room in the queue for promotions; a failing disk gets one) or
+  // at `max_new` submitted by this call (Pump's share of a call's host time).
   Status Demote(std::size_t target_used, int64_t step, int max_in_flight = INT32_MAX, int max_new = INT32_MAX);
   Status StartPromotion(uint32_t page);
   // Starts promoting a page whose home is disk if it is idle, a host slot is

@@ -63,15 +63,16 @@ class Runtime:
 
     def __init__(self, **config):
         self._rt = torch.classes.questkv.Runtime(_options(config))
-        self._stream = None  # the runtime's stream, as torch sees it (first CUDA call)
+        self._stream_ptr = self._rt.cuda_stream()  # 0 on the CPU backend
+        self._stream = None  # that stream as torch sees it (first CUDA call)
 
     def _ordered(self, tensor, call):
         """call(), ordered after the caller's current stream and before its
         later work when ``tensor`` is on the GPU."""
-        if not tensor.is_cuda or self._rt.cuda_stream() == 0:
+        if not tensor.is_cuda or self._stream_ptr == 0:
             return call()  # CPU tensors, or the op's own error for CUDA ones
         if self._stream is None:
-            self._stream = torch.cuda.ExternalStream(self._rt.cuda_stream(), device=tensor.device)
+            self._stream = torch.cuda.ExternalStream(self._stream_ptr, device=tensor.device)
         caller = torch.cuda.current_stream(tensor.device)
         self._stream.wait_stream(caller)
         result = call()
