@@ -28,7 +28,8 @@
 #            each; N = 0: one token a step, the baseline the blocks are compared with (e.g.
 #            draft-32768-0 draft-32768-4); both through device pointers, or the host API's
 #            floats with DRAFT_API=host;
-#            draft-CTX-N-dense: the same with every layer dense
+#            draft-CTX-N-dense: the same with every layer dense; draft-CTX-N-shared: one page
+#            set a block (--block-selection shared)
 #   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
@@ -79,13 +80,15 @@ for run in $RUNS; do
     l2-all) one l2-all --preset llama2-7b --context 131072 --steps $STEPS --recall-every 0 ;;
     l2-8g) one l2-8g --preset llama2-7b --context 131072 --steps $STEPS --hbm-bytes 8G --recall-every 0 ;;
     draft-*-*)
-      spec=${run#draft-}; dense=""
-      # draft-CTX-N-dense: every layer dense (the block's dense attention).
-      [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && dense="--dense-layers $(seq -s, 0 31)"
+      spec=${run#draft-}; extra=""
+      # draft-CTX-N-dense: every layer dense (the block's dense attention);
+      # draft-CTX-N-shared: one page set a block (--block-selection shared).
+      [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && extra="--dense-layers $(seq -s, 0 31)"
+      [ "${spec%-shared}" != "$spec" ] && spec=${spec%-shared} && extra="--block-selection shared"
       ctx=${spec%-*}; n=${spec#*-}
       api="--decode-api ${DRAFT_API:-device}"  # the same calls for the blocks and their baseline
       [ "$n" = 0 ] || api="$api --draft $n"
-      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $dense ;;
+      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $extra ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do
         # 128K with 1/8 of the K/V in HBM is l3-all / l3-2g: reuse them when they ran.

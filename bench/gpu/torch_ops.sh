@@ -3,7 +3,8 @@
 # CUDA) has no questkv build of its own there (no nvcc, no liburing), so
 # python/ops.cc is compiled there against it and linked with questkv's
 # static libraries built here for sm_90; then tests/python/test_ops.py runs,
-# whose DeviceTensors tests need the GPU.
+# whose DeviceTensors tests need the GPU. The extension uses torch's own CUDA
+# runtime (QKV_CUDART=static: the static one packed here).
 #   here:   bash bench/gpu/torch_ops.sh pack [build_dir] [libs.tar.xz]
 #   device: bash bench/gpu/torch_ops.sh run [libs.tar.xz]
 set -euo pipefail
@@ -37,13 +38,25 @@ from torch.utils.cpp_extension import load
 libs = os.environ["QKV_LIBS"]
 order = ["runtime", "prefetch", "selector", "kernels_cuda", "kernels", "tiers", "topology", "core"]
 archives = [f"{libs}/libquestkv_{n}.a" for n in order]
-archives += [a for a in sorted(glob.glob(f"{libs}/*.a")) if a not in archives]
+archives += [a for a in sorted(glob.glob(f"{libs}/*.a")) if a not in archives and "cudart" not in a]
+# The CUDA runtime torch itself loads, not a second (static) one in the
+# extension: one runtime in the process.
+import torch
+site = os.path.dirname(os.path.dirname(torch.__file__))
+cudart = sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True))
+if cudart and os.environ.get("QKV_CUDART", "torch") == "torch":
+    d = os.path.dirname(cudart[0])
+    runtime = [f"-L{d}", f"-l:{os.path.basename(cudart[0])}", f"-Wl,-rpath,{d}"]
+else:
+    runtime = glob.glob(f"{libs}/*cudart*.a")
+print("questkv ops: CUDA runtime", runtime, flush=True)
 load(name="questkv_ops", sources=["python/ops.cc"], extra_include_paths=[os.getcwd(), os.getcwd() + "/include"],
      extra_cflags=["-std=c++20", "-O2"],
-     extra_ldflags=["-Wl,--start-group", *archives, "-Wl,--end-group", "-lhwloc", "-ldl", "-lrt", "-lpthread"],
+     extra_ldflags=["-Wl,--start-group", *archives, *runtime, "-Wl,--end-group", "-lhwloc", "-ldl", "-lrt",
+                    "-lpthread"],
      is_python_module=False, build_directory=libs, verbose=False)
 shutil.copy(f"{libs}/questkv_ops.so", os.environ["QKV_PKG"] + "/libquestkv_ops.so")
 EOF
-    PYTHONPATH=$work/pkg python3 -m unittest -v tests/python/test_ops.py 2>&1 | tee "$OUT/torch-ops.log" | tail -25 ;;
+    PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v tests/python/test_ops.py 2>&1 | tee "$OUT/torch-ops.log" | tail -25 ;;
   *) echo "usage: $0 pack [build_dir] [libs.tar.xz] | run [libs.tar.xz]" >&2; exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 // A block of positions of one sequence in one decode step: its rows select
-// on their own (causal views of one list), the resolve runs once per list
-// over the union of their selections, and each row attends the slots its
-// own selection resolved to. Two small kernels around the resolve.
+// on their own (causal views of one list) or share their list's selection
+// (BlockShare), the resolve runs once per list over the union of their
+// selections, and each row attends the slots its own selection resolved
+// to. Small kernels around the resolve.
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/common.cuh"
@@ -90,7 +91,48 @@ __global__ void BlockSlotsKernel(BlockSlotsParams p) {
   if (threadIdx.x == 0) p.out_count[r] = base;
 }
 
+// A block per row: the shared entries below the row's local window (in
+// order, so a prefix when ascending), then the window.
+__global__ void BlockShareKernel(BlockShareParams p) {
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int base;
+  const int r = blockIdx.x;
+  const int b = r / p.kv_heads, h = r % p.kv_heads;
+  const int lr = p.list_of[b] * p.kv_heads + h;
+  const int32_t n = p.page_indptr[b + 1] - p.page_indptr[b];
+  const int32_t local_start = n - min(max(p.local_pages, 1), n);
+  const int32_t m = RowEntries(p.shared_indptr, p.shared_count, lr);
+  const int32_t* shared = p.shared_pages + p.shared_indptr[lr];
+  const int32_t cap = p.out_indptr[r + 1] - p.out_indptr[r];
+  int32_t* out = p.out_pages + p.out_indptr[r];
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int32_t i0 = 0; i0 < m; i0 += kBlockThreads) {
+    const int32_t i = i0 + threadIdx.x;
+    const int32_t page = i < m ? shared[i] : -1;
+    const int keep = page >= 0 && page < local_start;
+    int at = 0, kept = 0;
+    Scan(scan).ExclusiveSum(keep, at, kept);
+    if (keep && base + at < cap) out[base + at] = page;
+    __syncthreads();
+    if (threadIdx.x == 0) base += kept;
+    __syncthreads();
+  }
+  for (int32_t i = threadIdx.x; i < n - local_start; i += kBlockThreads)
+    if (base + i < cap) out[base + i] = local_start + i;
+  if (threadIdx.x == 0) p.out_count[r] = min(base + n - local_start, cap);
+}
+
 }  // namespace
+
+cudaError_t LaunchBlockShare(const BlockShareParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
+  if (p.kv_heads <= 0 || !p.page_indptr || !p.list_of || !p.shared_indptr || !p.shared_pages || !p.out_indptr ||
+      !p.out_pages || !p.out_count)
+    return cudaErrorInvalidValue;
+  BlockShareKernel<<<p.rows, kBlockThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchBlockUnion(const BlockUnionParams& p, cudaStream_t stream) {
   if (p.lists <= 0) return cudaSuccess;

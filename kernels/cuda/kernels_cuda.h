@@ -124,6 +124,9 @@ struct SelectShape {
   // work would stall it. PlanSelect copies it into SelectPlan.
   bool split_long_rows = false;
   bool chain = true;  // LaunchSelect's kernels chained (see the top)
+  // Shared block selection (BlockSelection::kShared, SelectParams::q_rows):
+  // the most query rows a batch row's block has. 1 otherwise.
+  int positions = 1;
 };
 
 // Host-side plan: the output CSR's row capacities (exact counts for kMax/kMean
@@ -147,7 +150,7 @@ struct SelectParams {
   SelectShape shape;
   DType q_dtype = DType::kF16;
   DType summary_dtype = DType::kF32;       // f32, f16, bf16 or e4m3
-  const void* q = nullptr;                 // [batch][Hq][D]
+  const void* q = nullptr;                 // [batch][Hq][D] (q_rows: [q_rows[batch]][Hq][D])
   const void* summaries = nullptr;         // [PageId][Hkv][2][D]
   const int32_t* page_indptr = nullptr;    // [batch + 1]
   const uint32_t* page_ids = nullptr;      // [page_indptr[batch]]
@@ -157,6 +160,14 @@ struct SelectParams {
   int32_t* out_slots = nullptr;            // optional, same shape: hbm_slot of each chosen page
   int32_t* out_count = nullptr;            // [rows] pages chosen per row
   void* workspace = nullptr;               // PlanSelect's workspace_bytes
+  // Shared block selection: batch row b is a block of positions of one
+  // sequence, q's rows q_rows[b] .. q_rows[b + 1] - 1 (at most
+  // shape.positions, at least one), each scoring all of b's pages. A page's
+  // kMax/kMean score aggregates over every position's G query heads,
+  // position by position (the CPU selector's over a group of n * G heads);
+  // kUnion unites each (position, query head)'s top-K. Null: row b's query
+  // is q's row b.
+  const int32_t* q_rows = nullptr;         // [batch + 1] on the device
 };
 // Score (U_p = Σ_j max(q_j·min_j, q_j·max_j), with the CPU twin's float
 // arithmetic and summation order), aggregate, top-K with ties toward the
@@ -497,6 +508,24 @@ struct BlockUnionParams {
   int32_t* out_count = nullptr;             // [lists * kv_heads]
 };
 cudaError_t LaunchBlockUnion(const BlockUnionParams& p, cudaStream_t stream);
+
+// Shared block selection: row r (position r / kv_heads, head h) takes its
+// list's shared pages below its own local window, then that window
+// [n - min(max(local_pages, 1), n), n), n its own page count; ascending
+// when the shared pages are. The shared pages hold the list's longest
+// row's local window, so a row's pages are all in its causal view.
+struct BlockShareParams {
+  int rows = 0, kv_heads = 0, local_pages = 1;
+  const int32_t* page_indptr = nullptr;    // [rows / kv_heads + 1] each position's pages
+  const int32_t* list_of = nullptr;        // [rows / kv_heads] each position's list
+  const int32_t* shared_indptr = nullptr;  // [lists * kv_heads + 1]
+  const int32_t* shared_count = nullptr;   // optional [lists * kv_heads]
+  const int32_t* shared_pages = nullptr;
+  const int32_t* out_indptr = nullptr;     // [rows + 1]
+  int32_t* out_pages = nullptr;
+  int32_t* out_count = nullptr;            // [rows]
+};
+cudaError_t LaunchBlockShare(const BlockShareParams& p, cudaStream_t stream);
 
 // After the union's resolve (its gather done): each row's slots for the
 // attention, hbm_slot of its entries' head-pages in entry order, entries

@@ -69,6 +69,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
   if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
     return fail("head_dim = " + std::to_string(s.head_dim) + " (supported: 64, 128, 256)");
   if (s.page_size < 1) return fail("page_size = " + std::to_string(s.page_size));
+  if (s.positions < 1) return fail("positions = " + std::to_string(s.positions) + ", must be >= 1");
   if ((long long)s.batch * s.kv_heads > (1LL << 31) - 1) return fail("too many rows");
   plan->out_indptr.assign(1, 0);
   plan->total_pages = 0;
@@ -79,7 +80,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
     const RowPolicy r = PolicyFor(s, n);
     int cap = n;
     if (!r.all) {
-      const long long winners = s.gqa == GqaMode::kUnion ? (long long)s.group * r.k : r.k;
+      const long long winners = (long long)ScoredHeads(s) * r.k;
       cap = int(std::min<long long>(n, r.fixed + winners));
     }
     for (int h = 0; h < s.kv_heads; ++h) {
@@ -89,7 +90,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
     plan->total_pages += n;
     plan->max_pages = std::max(plan->max_pages, n);
   }
-  const int A = s.gqa == GqaMode::kUnion ? s.group : 1;
+  const int A = ScoredHeads(s);
   const std::size_t head_pages = std::size_t(plan->total_pages) * s.kv_heads;
   const std::size_t rows = std::size_t(s.batch) * s.kv_heads;
   // scores, kUnion marks, then (kMax/kMean) row states + histograms, picks,
@@ -110,7 +111,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 bool SelectIsFused(const SelectPlan& plan, const SelectParams& p) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  return !s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 &&
+  return !s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 && !p.q_rows &&
          (p.q_dtype == p.summary_dtype || p.summary_dtype == DType::kE4M3) &&
          plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
          (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&
@@ -124,8 +125,9 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   float* scores = static_cast<float*>(p.workspace);
   uint8_t* marks = nullptr;
   const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
-  const bool unioned = s.gqa == GqaMode::kUnion && s.group > 1;
-  if (unioned) marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * s.group * sizeof(float));
+  if (s.positions > 1 && !p.q_rows) return cudaErrorInvalidValue;
+  const int A = ScoredHeads(s);
+  if (A > 1) marks = static_cast<uint8_t*>(p.workspace) + AlignUp(head_pages * A * sizeof(float));
   // kMax/kMean with long rows: row states, histograms, picks, k-th keys,
   // chunk counts and candidates after the scores.
   LongRows lr{};
@@ -151,7 +153,8 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
   }
   RowState* st = lr.st;
   if (!s.dense) {
-    if (const cudaError_t e = LaunchScore(plan, p, scores, st, stream); e != cudaSuccess) return e;
+    const cudaError_t e = p.q_rows ? LaunchScoreBlocks(plan, p, scores, st, stream) : LaunchScore(plan, p, scores, st, stream);
+    if (e != cudaSuccess) return e;
     if (marks) {
       if (const cudaError_t e = LaunchClearMarks(plan, p, marks, stream); e != cudaSuccess) return e;
     }

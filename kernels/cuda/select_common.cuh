@@ -45,6 +45,12 @@ __host__ __device__ inline RowPolicy PolicyFor(const SelectShape& s, int n) {
   return r;
 }
 
+// Query heads whose scores a kUnion row keeps apart (every position's G
+// under shared block selection), else 1: one aggregate score a head-page.
+__host__ __device__ inline int ScoredHeads(const SelectShape& s) {
+  return s.gqa == GqaMode::kUnion ? s.group * s.positions : 1;
+}
+
 __device__ inline bool Skipped(const RowPolicy& r, int i) { return i < r.sink || i >= r.n - r.local; }
 
 // topk_cpu.cc's Key: larger score -> larger key, -0 == +0, NaN lowest.
@@ -370,6 +376,11 @@ cudaError_t AllowDynamicSmem() {
 // key range.
 cudaError_t LaunchScore(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
                         cudaStream_t stream);
+
+// The score kernel of shared block selection (p.q_rows; select_score.cu):
+// a thread per head-page scoring it for every position of its block.
+cudaError_t LaunchScoreBlocks(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
+                              cudaStream_t stream);
 
 // Clears kUnion's marks (select_topk.cu).
 cudaError_t LaunchClearMarks(const SelectPlan& plan, const SelectParams& p, uint8_t* marks, cudaStream_t stream);

@@ -452,7 +452,82 @@ cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, floa
   return cudaSuccess;
 }
 
+// Shared block selection (p.q_rows): a thread per head-page, as
+// ScoreKernelDirect, scoring it for each position of its block in turn (the
+// summary read once from memory, then from L1). kMax/kMean fold each score
+// into the aggregate in (position, query head) order: std::max, or a
+// sequential sum divided by n * G, as select.cc does over a group of n * G
+// heads. kUnion keeps each (position, head)'s score apart, a block of fewer
+// than shape.positions positions repeating its last (a union of repeats is
+// the union).
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(256) ScoreBlockKernel(SelectParams p, float* scores, RowState* st) {
+  ChainWait();
+  ChainRelease();
+  const SelectShape& s = p.shape;
+  const int H = s.kv_heads;
+  const long long slots = ScoreSlots<false>(p.page_indptr[s.batch], s.batch, H);
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const SumT* slab = static_cast<const SumT*>(p.summaries);
+  const bool unioned = s.gqa == GqaMode::kUnion;
+  const int A = ScoredHeads(s);
+  for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < slots;
+       base += (long long)gridDim.x * blockDim.x) {
+    const ItemRef it = Locate<false>(p, base + (threadIdx.x & 31), slots, D);
+    float agg = 0.f;
+    if (it.valid) {
+      const int row0 = p.q_rows[it.b], n = p.q_rows[it.b + 1] - row0;
+      const int positions = unioned ? s.positions : n;
+      float* out = scores + (std::size_t)it.first * H * A + (std::size_t)it.h * A * it.n + it.i;
+      for (int pos = 0; pos < positions; ++pos) {
+        const int row = row0 + min(pos, n - 1);
+        float score[G];
+        ScoreHeadPage<QT, SumT, D, G>(slab + it.off, q_all + ((std::size_t)row * H * G + (std::size_t)it.h * G) * D,
+                                      score);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          if (unioned) {
+            out[(std::size_t)(pos * G + g) * it.n] = score[g];
+          } else if (pos == 0 && g == 0) {
+            agg = score[0];
+          } else if (s.gqa == GqaMode::kMax) {
+            agg = agg < score[g] ? score[g] : agg;
+          } else {
+            agg = __fadd_rn(agg, score[g]);
+          }
+        }
+      }
+      if (!unioned) {
+        if (s.gqa == GqaMode::kMean) agg = __fdiv_rn(agg, float(n * G));
+        scores[it.item] = agg;
+      }
+    }
+    if (st) FoldKeyRange(st, it.valid && !Skipped(PolicyFor(s, it.n), it.i), it.b * H + it.h, Key(agg));
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchScoreBlocks(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
+                              cudaStream_t stream) {
+  const SelectShape& s = p.shape;
+  const std::size_t head_pages = std::size_t(plan.total_pages) * s.kv_heads;
+  const long long need = (std::max<long long>(head_pages, 1) + 255) / 256;
+  const int blocks = int(std::min<long long>(std::max(1, plan.score_blocks / kScoreBlocksPerSm) * 8, need));
+  QKV_DISPATCH_DTYPE(p.q_dtype, QT, {
+    QKV_DISPATCH_SUMMARY_DTYPE(p.summary_dtype, SumT, {
+      QKV_DISPATCH_HEAD_DIM(s.head_dim, D, {
+        QKV_DISPATCH_GROUP(s.group, G, {
+          if (const cudaError_t e = LaunchChained(ScoreBlockKernel<QT, SumT, D, G>, dim3(blocks), dim3(256), 0, stream,
+                                                  s.chain, p, scores, st);
+              e != cudaSuccess)
+            return e;
+        })
+      })
+    })
+  })
+  return cudaSuccess;
+}
 
 cudaError_t LaunchScore(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
                         cudaStream_t stream) {

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kTopKThreads, 1) TopKKernel(SelectParams p, in
   } else if (r.k == 0) {
     count = OrderedPassAll(r.n, sh, [&](int i) { return Skipped(r, i); }, emit);
   } else {
-    const int A = !kCachedMaxMean && s.gqa == GqaMode::kUnion ? s.group : 1;
+    const int A = kCachedMaxMean ? 1 : ScoredHeads(s);
     const bool cached = kCachedMaxMean || r.n <= key_cache;
     uint8_t* mark = marks ? marks + (std::size_t)first * s.kv_heads + (std::size_t)h * r.n : nullptr;
     uint32_t kth = 0;
@@ -713,7 +713,7 @@ cudaError_t LaunchTopK(const SelectPlan& plan, const SelectParams& p, float* sco
                        cudaStream_t stream) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  const bool unioned = s.gqa == GqaMode::kUnion && s.group > 1;
+  const bool unioned = ScoredHeads(s) > 1;
   const std::size_t smem = std::size_t(s.dense ? 0 : plan.key_cache + plan.key_cache / 32 + 1) * sizeof(uint32_t);
   const bool common = !s.dense && !unioned && plan.max_pages <= plan.key_cache;
   auto kernel = common ? TopKKernel<true> : TopKKernel<false>;

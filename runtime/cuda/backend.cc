@@ -19,9 +19,6 @@ Status CudaBackendImpl::Init() {
     return Status::Unimplemented(
         "the CUDA backend selects by the flat Quest scan with a fixed K: group_pages and unread_bound_mass "
         "need the CPU backend");
-  if (c_.policy.block_selection == BlockSelection::kShared)
-    return Status::Unimplemented("the CUDA backend selects each block position on its own: shared block "
-                                 "selection needs the CPU backend");
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return Status::FailedPrecondition("no usable CUDA device");
   if (!host_->region().pinned())

@@ -298,7 +298,7 @@ class CudaBackendImpl final : public DataPlane {
 
   Status Init();
 
-  Result<uint32_t> AddPartition() override;
+  Result<uint32_t> AddPartition(int layer) override;
   void RemovePartition(uint32_t part) override;
   void PageDied(PageId page) override {
     // Its seal copy lands first: the mover frees the home after this.
@@ -358,6 +358,7 @@ class CudaBackendImpl final : public DataPlane {
     bool host_f32 = true;
     int64_t step = 0;
     std::vector<PageSelection>* selections = nullptr;
+    bool shared = false;  // shared block selection (Step::shared_blocks)
     double* select_us = nullptr;
     double* resolve_us = nullptr;
     double* attend_us = nullptr;
@@ -390,6 +391,16 @@ class CudaBackendImpl final : public DataPlane {
     int64_t uentries = 0;                          // usel_indptr's last (block); else entries
     kc::SelectShape shape;
     kc::SelectPlan splan;
+    // Shared block selection (BlockSelection::kShared) in a block step: the
+    // select runs over the lists, each list's pages scored with all its
+    // rows' queries (lshape, lplan: into shared_pages_), then each row takes
+    // its share of its list's pages (kc::BlockShare) into the rows' CSR,
+    // whose capacities splan.out_indptr then holds.
+    bool shared = false;
+    kc::SelectShape lshape;
+    kc::SelectPlan lplan;
+    std::vector<int32_t> lpage_indptr, q_rows, list_of;  // [L+1], [L+1], [B]
+    const uint32_t* list_ids = nullptr;                  // the lists' page tables side by side
     // Re-rank (SelectionPolicy::rerank): a widened select's rows are the
     // candidates LaunchRerank narrows to splan's.
     bool rerank = false;
@@ -408,6 +419,7 @@ class CudaBackendImpl final : public DataPlane {
     std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
     std::size_t o_lstart = 0, o_usel = 0, o_members = 0;  // block steps
     std::size_t o_srcs = 0;                               // B > 1
+    std::size_t o_lsel = 0, o_lpages = 0, o_qrows = 0, o_listof = 0, o_lsrcs = 0;  // shared
     int64_t use_mark = 0;  // this launch's (PackHeader)
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;
@@ -418,6 +430,8 @@ class CudaBackendImpl final : public DataPlane {
   Status RunStep(const StepArgs& s);
   Status PlanStep(const StepArgs& s, StepPlan& p);
   void PlanLists(const StepArgs& s, StepPlan& p);
+  Status PlanShared(StepPlan& p);
+  void PlanUnion(StepPlan& p);
   Status GrowLists(const StepArgs& s, StepPlan& p);
   Status PlanResolveAndAttend(const StepArgs& s, StepPlan& p);
   Status ReserveStepBuffers(const StepArgs& s, StepPlan& p);
@@ -440,6 +454,7 @@ class CudaBackendImpl final : public DataPlane {
     uint64_t seq = 0;  // order of queuing
     int64_t step = 0;
     bool strict = false, first_head_only = false;
+    bool every_step = false;  // a dense layer's: its pages need no notes
     int rows = 0, kv_heads = 0;
     std::vector<int32_t> sel_indptr, page_counts;  // [rows + 1], [batch]
     std::size_t o_counts = 0, o_cold_count = 0, o_cold = 0;  // pages at 0
@@ -467,6 +482,9 @@ class CudaBackendImpl final : public DataPlane {
     DevBuf pages;                    // device mirror of the page list
     int64_t pages_len = 0;
     int64_t last_need = 0;           // slots its last step could select: what it keeps
+    // A dense layer's: its pages are read at every decode step, which the
+    // mover counts without a note a page (TierMover::SealBegin).
+    bool every_step = false;
   };
 
   std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
@@ -541,6 +559,7 @@ class CudaBackendImpl final : public DataPlane {
     const void* v = nullptr;
     bool host_f32 = true;
     bool hold = false;                // draft tokens: filled pages stay in hbm, unsealed (held_)
+    bool every_step = false;          // the partition's (Partition::every_step)
     int64_t old_tokens = 0, end = 0, old_pages = 0, total_pages = 0;
     int64_t t = 0;                    // next token to write
     std::vector<PageId> fresh;        // ids of the pages this call adds
@@ -562,7 +581,7 @@ class CudaBackendImpl final : public DataPlane {
   // for an event after the copies. EndSeals: those whose event has passed,
   // or all after a wait; EndSealOf: the page's, before the host reads or
   // frees it.
-  Result<void*> BeginSeal(PageId page, int64_t step);
+  Result<void*> BeginSeal(PageId page, int64_t step, bool every_step);
   Status EndSealsLater(std::span<const AppendPlan::Sealing> seals);
   Status EndSeals(bool wait);
   Status EndSealOf(PageId page) { return sealing_.count(page) ? EndSeals(/*wait=*/true) : Status::Ok(); }
@@ -602,7 +621,8 @@ class CudaBackendImpl final : public DataPlane {
 
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
-      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_;
+      res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_,
+      shared_pages_, shared_count_, list_pages_;
   std::size_t att_ws_zeroed_ = 0;  // bytes at the start of att_ws_ known zero (the attention's counters)
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.

@@ -9,12 +9,10 @@ namespace questkv::cuda_backend {
 // ---- the decode step ---------------------------------------------------------------
 
 Status CudaBackendImpl::DecodeStep(const Step& st) {
-  if (!st.shared_blocks.empty())
-    return Status::Unimplemented("the CUDA backend selects each row on its own: shared block selection needs "
-                                 "the CPU backend");
   if (st.dense && c_.cold_miss != ColdMissPolicy::kStrict && mover_->has_disk())
     return Status::FailedPrecondition("dense attention on the CUDA backend needs the strict cold-miss policy");
-  StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections};
+  StepArgs a{st.partitions, st.lists, st.layer, st.dense, st.q, st.out, st.host_f32, st.step, st.selections,
+             !st.shared_blocks.empty()};
   AttendStats* stats = st.stats;
   int64_t selected = 0;
   if (stats && stats->time_phases) {
@@ -28,7 +26,8 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
     // Rows sharing a list attend together only when the list can hold their
     // selections' union at once: else they go in halves, down to one row
     // of each list a launch, each needing what one row selects.
-    if (run.code() != Code::kResourceExhausted || !st.host_f32) return run;
+    // (A shared block selects as one: its rows never go apart.)
+    if (run.code() != Code::kResourceExhausted || !st.host_f32 || a.shared) return run;
     std::vector<int> first, second;
     for (std::size_t i = 0; i < st.partitions.size(); ++i) {
       const auto rows = std::count(st.partitions.begin(), st.partitions.end(), st.partitions[i]);
@@ -42,10 +41,17 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   if (!stats) return Status::Ok();
   const int64_t pages_budget = c_.policy.page_budget(st.layer, g_.page_size);
   stats->head_pages_selected += selected;
-  for (const PageList* l : st.lists) {
-    const int64_t pages = int64_t(l->pages.size());
+  // A shared block scores once, over its last row's pages.
+  std::size_t block_end = 0, next_block = 0;
+  for (std::size_t r = 0; r < st.lists.size(); ++r) {
+    const int64_t pages = int64_t(st.lists[r]->pages.size());
     stats->head_pages_total += pages * g_.kv_heads;
-    if (!st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages) {
+    bool scores = true;
+    if (a.shared) {
+      if (r == block_end && next_block < st.shared_blocks.size()) block_end += std::size_t(st.shared_blocks[next_block++]);
+      scores = r + 1 == block_end;
+    }
+    if (scores && !st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages) {
       stats->summary_bytes_read += pages * int64_t(summary_bytes());
       // The re-rank reads its candidates' keys.
       if (c_.policy.rerank > 0) {
@@ -176,19 +182,21 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
       return Status::InvalidArgument("rerank: " + std::to_string(p.max_listed) +
                                      " candidates a row, the CUDA backend re-ranks at most 16384");
   }
+  PlanLists(s, p);
+  p.shared = s.shared && p.block;
+  if (p.shared) QKV_RETURN_IF_ERROR(PlanShared(p));
   p.entries = p.splan.out_indptr[p.rows];
   p.max_row = 0;
   for (int r = 0; r < p.rows; ++r)
     p.max_row = std::max(p.max_row, p.splan.out_indptr[r + 1] - p.splan.out_indptr[r]);
-  PlanLists(s, p);
+  PlanUnion(p);
   return Status::Ok();
 }
 
 // The resolve's sequences: one per distinct list; a list's page table is
-// its longest row's (the others' views are prefixes of it), its union rows
-// hold what its rows' rows of one head may select together.
+// its longest row's (the others' views are prefixes of it).
 void CudaBackendImpl::PlanLists(const StepArgs& s, StepPlan& p) {
-  const int B = p.B, H = g_.kv_heads;
+  const int B = p.B;
   std::vector<int> list_of(B);
   p.lists.clear();
   for (int b = 0; b < B; ++b) {
@@ -213,6 +221,55 @@ void CudaBackendImpl::PlanLists(const StepArgs& s, StepPlan& p) {
       p.list_start[l] = p.page_indptr[b];
     }
   }
+}
+
+// Shared blocks: each list (a block's rows, consecutive, its last the
+// longest) selects once with its rows' queries; a row may hold its list's
+// selection below its own local window, and that window.
+Status CudaBackendImpl::PlanShared(StepPlan& p) {
+  const int L = p.L, H = g_.kv_heads;
+  if (p.rerank)
+    return Status::Unimplemented("the CUDA backend re-ranks each row on its own: shared block selection with "
+                                 "rerank needs the CPU backend");
+  p.q_rows.assign(L + 1, 0);
+  p.lpage_indptr.assign(L + 1, 0);
+  p.list_of.assign(p.B, 0);
+  int positions = 1;
+  for (int l = 0; l < L; ++l) {
+    const int32_t m0 = p.members_indptr[l], m1 = p.members_indptr[l + 1];
+    for (int32_t m = m0; m < m1; ++m) {
+      const int b = p.members[m];
+      if (b != p.members[m0] + (m - m0) || p.counts[b] > p.counts[p.members[m1 - 1]])
+        return Status::Internal("a shared block's rows are not consecutive views of one list");
+      p.list_of[b] = l;
+    }
+    p.q_rows[l] = p.members[m0];
+    p.q_rows[l + 1] = p.members[m1 - 1] + 1;
+    p.lpage_indptr[l + 1] = p.lpage_indptr[l] + p.list_pages[l];
+    positions = std::max(positions, m1 - m0);
+  }
+  p.lshape = p.shape;
+  p.lshape.batch = L;
+  p.lshape.positions = positions;
+  std::string err;
+  if (!kc::PlanSelect(p.lshape, p.list_pages.data(), sms_, &p.lplan, &err)) return Status::InvalidArgument(err);
+  const int local = std::max(c_.policy.local_pages, 1);
+  std::vector<int32_t>& rows = p.splan.out_indptr;
+  rows.assign(1, 0);
+  for (int b = 0; b < p.B; ++b) {
+    const int32_t n = p.counts[b], window = std::min(local, n);
+    for (int h = 0; h < H; ++h) {
+      const int ur = p.list_of[b] * H + h;
+      const int32_t listed = p.lplan.out_indptr[ur + 1] - p.lplan.out_indptr[ur];
+      rows.push_back(rows.back() + std::min(n, std::min(listed, n - window) + window));
+    }
+  }
+  return Status::Ok();
+}
+
+// A block step's union rows: what its rows of one head may select together.
+void CudaBackendImpl::PlanUnion(StepPlan& p) {
+  const int H = g_.kv_heads;
   if (!p.block) {
     p.uentries = p.entries;
     return;
@@ -311,7 +368,17 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   p.qcap = int(std::max<int64_t>(p.uentries, 1));
   p.qbytes_req = Align256(std::size_t(p.qcap) * sizeof(kc::ResolveRequest));
   QKV_RETURN_IF_ERROR(queues_.Grow(2 * p.qbytes_req + 256));
-  QKV_RETURN_IF_ERROR(sel_ws_.Grow(std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, 1})));
+  QKV_RETURN_IF_ERROR(sel_ws_.Grow(
+      std::max<std::size_t>({p.splan.workspace_bytes, p.wplan.workspace_bytes, p.lplan.workspace_bytes, 1})));
+  if (p.shared) {
+    QKV_RETURN_IF_ERROR(shared_pages_.Grow(std::max<int64_t>(p.lplan.out_indptr.back(), 1) * 4));
+    QKV_RETURN_IF_ERROR(shared_count_.Grow(std::size_t(p.L) * g_.kv_heads * 4));
+    p.list_ids = parts_[p.lists[0]].pages.as<uint32_t>();
+    if (p.L > 1) {
+      QKV_RETURN_IF_ERROR(list_pages_.Grow(std::size_t(p.lpage_indptr[p.L]) * 4));
+      p.list_ids = list_pages_.as<uint32_t>();
+    }
+  }
   if (p.rerank) {
     QKV_RETURN_IF_ERROR(cand_pages_.Grow(std::max<int64_t>(p.wplan.out_indptr[p.rows], 1) * 4));
     QKV_RETURN_IF_ERROR(cand_count_.Grow(p.rows * 4));
@@ -351,8 +418,10 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
 // Header: page_indptr [B+1] | sel_indptr [rows+1] | cand_indptr [rows+1]
 // (re-rank) | part_indptr [L+1] | last_len [B] | list_start [L+1] |
 // usel_indptr [L*Hkv+1] and members_indptr [L+1] | members [B] (block) |
-// part_lists [L] (pointers) | use mark (int64) | rows' page tables [B]
-// (pointers, B > 1).
+// lsel_indptr [L*Hkv+1], lpage_indptr [L+1], q_rows [L+1], list_of [B]
+// (shared) | part_lists [L] (pointers) | use mark (int64) | rows' page
+// tables [B] (pointers, B > 1) | lists' page tables [L] (pointers, shared
+// and L > 1).
 // The use mark is new at every launch, not the decode step: the resolve's
 // victims are the list slots not marked by this launch, and a caller may
 // decode one list several times a step.
@@ -376,6 +445,16 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
     hdr.insert(hdr.end(), p.members_indptr.begin(), p.members_indptr.end());
     hdr.insert(hdr.end(), p.members.begin(), p.members.end());
   }
+  if (p.shared) {
+    p.o_lsel = hdr.size();
+    hdr.insert(hdr.end(), p.lplan.out_indptr.begin(), p.lplan.out_indptr.end());
+    p.o_lpages = hdr.size();
+    hdr.insert(hdr.end(), p.lpage_indptr.begin(), p.lpage_indptr.end());
+    p.o_qrows = hdr.size();
+    hdr.insert(hdr.end(), p.q_rows.begin(), p.q_rows.end());
+    p.o_listof = hdr.size();
+    hdr.insert(hdr.end(), p.list_of.begin(), p.list_of.end());
+  }
   if (hdr.size() % 2) hdr.push_back(0);
   p.o_lists = hdr.size();
   hdr.resize(hdr.size() + 2 * p.L + 2);
@@ -392,6 +471,14 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
     for (int b = 0; b < p.B; ++b) {
       const uint32_t* src = parts_[s.partitions[b]].pages.as<uint32_t>();
       std::memcpy(hdr.data() + p.o_srcs + 2 * b, &src, sizeof(src));
+    }
+  }
+  if (p.shared && p.L > 1) {  // each list's page table, gathered into list_pages_
+    p.o_lsrcs = hdr.size();
+    hdr.resize(hdr.size() + 2 * p.L);
+    for (int l = 0; l < p.L; ++l) {
+      const uint32_t* src = parts_[p.lists[l]].pages.as<uint32_t>();
+      std::memcpy(hdr.data() + p.o_lsrcs + 2 * l, &src, sizeof(src));
     }
   }
 }

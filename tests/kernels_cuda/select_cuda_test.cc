@@ -82,13 +82,18 @@ struct SelectCase {
   bool ties;       // summaries of few distinct values: many equal scores
   bool dense = false;
   int big_pages = 0;  // if > 0, sequence 0 has this many pages
+  // If > 0, shared block selection: sequence b is scored by a block of
+  // 1 + (3b + 1) % positions query rows (SelectParams::q_rows), its CPU
+  // twin's group every position's G heads.
+  int positions = 0;
 };
 // Readable test names in ctest.
 void PrintTo(const SelectCase& c, std::ostream* os) {
   const char* gqa[] = {"max", "mean", "union"};
   *os << gqa[int(c.gqa)] << "_B" << c.batch << "_H" << c.kv_heads << "_G" << c.group << "_D" << c.head_dim << "_S"
       << c.page_size << "_K" << c.page_budget << "_q" << DTypeName(c.q_dtype) << "_sum" << DTypeName(c.sum_dtype)
-      << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "");
+      << (c.ties ? "_ties" : "") << (c.dense ? "_dense" : "") << (c.big_pages ? "_P" + std::to_string(c.big_pages) : "")
+      << (c.positions ? "_n" + std::to_string(c.positions) : "");
 }
 
 // E4M3 summaries from a float slab [..][2][D]: in a few head-pages one
@@ -154,7 +159,9 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
       slab[head * 2 * D + D + j] = x[i] + w[i];
     }
   }
-  std::vector<float> q = questkv::test::RandomNormal(std::size_t(B) * H * G * D, seed + 3);
+  std::vector<int32_t> q_rows(B + 1, 0);
+  for (int b = 0; b < B; ++b) q_rows[b + 1] = q_rows[b] + (c.positions > 0 ? 1 + (3 * b + 1) % c.positions : 1);
+  std::vector<float> q = questkv::test::RandomNormal(std::size_t(q_rows[B]) * H * G * D, seed + 3);
   if (c.ties)
     for (float& v : q) v = std::round(v);
   std::vector<uint8_t> slab_bytes;
@@ -179,6 +186,7 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   s.local_pages = 4;
   s.gqa = c.gqa;
   s.dense = c.dense;
+  for (int b = 0; b < B && c.positions > 0; ++b) s.positions = std::max(s.positions, q_rows[b + 1] - q_rows[b]);
   SelectPlan plan;
   std::string err;
   ASSERT_TRUE(PlanSelect(s, counts.data(), NumSms(), &plan, &err)) << err;
@@ -190,8 +198,9 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   // are resident at once) or, split, three.
   plan.split_long_rows = split_long_rows;
 
-  DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws;
+  DeviceBuffer d_q, d_slab, d_indptr, d_ids, d_slot, d_out_indptr, d_pages, d_slots, d_count, d_ws, d_qrows;
   Upload(d_q, Encode(q, c.q_dtype));
+  Upload(d_qrows, q_rows);
   Upload(d_slab, slab_bytes);
   Upload(d_indptr, indptr);
   Upload(d_ids, ids);
@@ -218,6 +227,7 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   p.out_slots = d_slots.as<int32_t>();
   p.out_count = d_count.as<int32_t>();
   p.workspace = d_ws.get();
+  if (c.positions > 0) p.q_rows = d_qrows.as<int32_t>();
   QKV_CUDA_OK(LaunchSelect(plan, p, nullptr));
   QKV_CUDA_OK(cudaDeviceSynchronize());
   const auto got_pages = Download<int32_t>(d_pages, nnz);
@@ -227,22 +237,35 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
   // kernels' scores are at the workspace's start (select.cu): sequence b's
   // [H][A][n] from indptr[b] * H * A. The runs with a small key cache take
   // the score kernels, so every E4M3 case compares its scores there.
-  const int A = c.gqa == GqaMode::kUnion ? G : 1;
+  const int A = c.gqa == GqaMode::kUnion ? G * s.positions : 1;
   const bool scores_kept = e4m3 && !SelectIsFused(plan, p);
   const auto got_scores = scores_kept ? Download<float>(d_ws, std::size_t(pages) * H * A) : std::vector<float>();
 
   double worst_jaccard = 1.0;
   std::vector<float> want_scores;
   for (int b = 0; b < B; ++b) {
-    const auto want = CpuSelect(s, q.data() + std::size_t(b) * H * G * D, slab.data(), ids.data() + indptr[b],
-                                counts[b], e4m3, &want_scores);
+    // The block's queries regrouped [H][n][G][D]: KV head h's group is
+    // every position's G query heads, position by position.
+    const int n = q_rows[b + 1] - q_rows[b];
+    std::vector<float> qb(std::size_t(n) * H * G * D);
+    for (int h = 0; h < H; ++h)
+      for (int pos = 0; pos < n; ++pos)
+        std::copy_n(q.data() + (std::size_t(q_rows[b] + pos) * H + h) * G * D, std::size_t(G) * D,
+                    qb.data() + (std::size_t(h) * n + pos) * G * D);
+    SelectShape sb = s;
+    sb.group = n * G;
+    const auto want = CpuSelect(sb, qb.data(), slab.data(), ids.data() + indptr[b], counts[b], e4m3, &want_scores);
     if (scores_kept) {
+      // [H][A][n] on the device; the CPU's [H][n * G][n] for kUnion (the
+      // device's A repeats a short block's last position), else [H][1][n].
+      const int a_want = c.gqa == GqaMode::kUnion ? n * G : 1;
       const float* got = got_scores.data() + std::size_t(indptr[b]) * H * A;
       for (std::size_t i = 0; i < want_scores.size(); ++i) {
-        const bool same =
-            std::memcmp(&got[i], &want_scores[i], 4) == 0 || (std::isnan(got[i]) && std::isnan(want_scores[i]));
-        ASSERT_TRUE(same) << "sequence " << b << " (" << counts[b] << " pages), score " << i << " of [H][" << A
-                          << "][n]: " << got[i] << " vs " << want_scores[i];
+        const std::size_t h = i / (std::size_t(a_want) * counts[b]), a = i / counts[b] % a_want, j = i % counts[b];
+        const float g = got[(h * A + a) * counts[b] + j];
+        const bool same = std::memcmp(&g, &want_scores[i], 4) == 0 || (std::isnan(g) && std::isnan(want_scores[i]));
+        ASSERT_TRUE(same) << "sequence " << b << " (" << counts[b] << " pages), score " << i << " of [H][" << a_want
+                          << "][n]: " << g << " vs " << want_scores[i];
       }
     }
     for (int h = 0; h < H; ++h) {
@@ -274,7 +297,7 @@ TEST_P(SelectCudaTest, EqualsCpuTwinExactly) {
   }
 }
 
-constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16;
+constexpr DType F32 = DType::kF32, F16 = DType::kF16, BF16 = DType::kBF16, E4M3 = DType::kE4M3;
 INSTANTIATE_TEST_SUITE_P(
     Policies, SelectCudaTest,
     ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaMode::kMax, F32, F32, false},
@@ -321,12 +344,26 @@ INSTANTIATE_TEST_SUITE_P(
                       SelectCase{7, 4, 1, 128, 16, 40, GqaMode::kMax, F16, F16, false, false, 6000},
                       SelectCase{3, 2, 2, 64, 16, 50, GqaMode::kUnion, BF16, BF16, true, false, 3000}));
 
+// Shared block selection (SelectParams::q_rows): ragged blocks of up to 4 or
+// 8 positions scoring their sequence's pages together, each GQA mode, G up to
+// 8 (64 heads a group on the CPU), many equal scores, a dense layer, and a
+// long row whose key range the block score kernel folds.
+INSTANTIATE_TEST_SUITE_P(
+    SharedBlocks, SelectCudaTest,
+    ::testing::Values(SelectCase{5, 2, 4, 128, 16, 12, GqaMode::kMax, F16, F16, false, false, 0, 4},
+                      SelectCase{6, 2, 4, 64, 16, 10, GqaMode::kMean, F32, F32, true, false, 0, 8},
+                      SelectCase{4, 2, 2, 128, 16, 9, GqaMode::kUnion, BF16, F32, false, false, 0, 3},
+                      SelectCase{2, 1, 8, 128, 16, 10, GqaMode::kMax, F16, F16, false, false, 0, 8},
+                      SelectCase{3, 2, 4, 128, 16, 8, GqaMode::kMax, F16, F16, false, /*dense=*/true, 0, 4},
+                      SelectCase{1, 2, 4, 128, 16, 2048, GqaMode::kMax, F16, F16, false, false, 40001, 4},
+                      SelectCase{3, 2, 4, 128, 16, 12, GqaMode::kMean, F16, E4M3, false, false, 0, 5},
+                      SelectCase{3, 2, 1, 128, 16, 10, GqaMode::kUnion, F32, E4M3, true, false, 0, 3}));
+
 // E4M3 summaries, over every score kernel: staged (G <= 2, D 128 and 256; G = 8 at
 // 256K head-pages, with long rows of many +inf scores), direct (G >= 4 and D = 64 at
 // any G), lanes (G = 4, D = 128, also with f32 q's separate product and sum), the
 // fused short-row select (max/mean, G <= 4, few pages), each GQA mode and q dtype,
 // dense, and the top-K's short-row and long-row paths.
-constexpr DType E4M3 = DType::kE4M3;
 INSTANTIATE_TEST_SUITE_P(
     E4m3, SelectCudaTest,
     ::testing::Values(SelectCase{1, 1, 1, 128, 16, 16, GqaMode::kMax, F32, E4M3, false},

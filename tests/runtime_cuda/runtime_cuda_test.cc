@@ -429,17 +429,32 @@ TEST(CudaSequences, ForkRollbackPrefixMatchCpu) {
 // draft page reaches the host only once accepted. Then both runtimes hold
 // the same tokens, decode alike one token at a time, and one HBM small
 // enough to evict (too small for a block's union: its blocks go in parts)
-// gives the same bits as one holding everything for single tokens.
+// gives the same bits as one holding everything for single tokens. Under
+// shared block selection each block selects once for all its positions
+// (each GQA mode), and each position attends its share.
 TEST(CudaSequences, DraftBlocksMatchCpu) {
-  for (const SummaryDType sum : {SummaryDType::kKv, SummaryDType::kE4M3}) {
-    SCOPED_TRACE(std::string(SummaryDTypeName(sum)) + " summaries");
-    const Case c{DType::kF32, GqaMode::kMax, 8, 2, 1e-5, sum};
-    const Config all = MakeConfig(Backend::kCuda, c);
+  struct Mode {
+    SummaryDType sum;
+    BlockSelection blocks;
+    GqaMode gqa;
+  };
+  for (const Mode m : {Mode{SummaryDType::kKv, BlockSelection::kPerPosition, GqaMode::kMax},
+                       Mode{SummaryDType::kE4M3, BlockSelection::kPerPosition, GqaMode::kMax},
+                       Mode{SummaryDType::kKv, BlockSelection::kShared, GqaMode::kMax},
+                       Mode{SummaryDType::kKv, BlockSelection::kShared, GqaMode::kMean},
+                       Mode{SummaryDType::kE4M3, BlockSelection::kShared, GqaMode::kUnion}}) {
+    SCOPED_TRACE(std::string(SummaryDTypeName(m.sum)) + " summaries, " + std::string(BlockSelectionName(m.blocks)) +
+                 " " + std::string(GqaModeName(m.gqa)));
+    const Case c{DType::kF32, m.gqa, 8, 2, 1e-5, m.sum};
+    Config all = MakeConfig(Backend::kCuda, c);
+    all.policy.block_selection = m.blocks;
     Config small = all;
     small.hbm_bytes = 480 * std::size_t(2 * 16 * 64 * 4);  // staging 128, tails 18, held <= 54, lists: evicts
     QKV_CREATE_CUDA(gpu, all);
     QKV_CREATE_CUDA(tight, small);
-    auto cpu = Runtime::Create(MakeConfig(Backend::kCpu, c));
+    Config host = MakeConfig(Backend::kCpu, c);
+    host.policy.block_selection = m.blocks;
+    auto cpu = Runtime::Create(host);
     ASSERT_TRUE(cpu.ok());
     Runtime* rts[3] = {cpu->get(), gpu.get(), tight.get()};
     const Geometry& g = all.geometry;
@@ -523,17 +538,6 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
       EXPECT_EQ(rts[i]->live_pages(), 0u);
     }
   }
-}
-
-// Shared block selection is a CPU-backend mode: the CUDA backend refuses it
-// at creation rather than selecting per position silently.
-TEST(CudaSequences, SharedBlockSelectionIsRefused) {
-  Config cfg = MakeConfig(Backend::kCuda, Case{DType::kF16, GqaMode::kMax, 8, 2, 0});
-  cfg.policy.block_selection = BlockSelection::kShared;
-  const auto rt = Runtime::Create(cfg);
-  if (!rt.ok() && rt.status().code() == Code::kFailedPrecondition) GTEST_SKIP() << rt.status().ToString();
-  ASSERT_FALSE(rt.ok());
-  EXPECT_EQ(rt.status().code(), Code::kUnimplemented) << rt.status().ToString();
 }
 
 // The attention keeps per-row counters before its splits' partials: a batch
