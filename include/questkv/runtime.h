@@ -96,11 +96,12 @@ class Runtime {
   // each selects its own pages, as a decode call made right after appending
   // up to that token would: the outputs equal those of sum(block)
   // single-token calls (under `strict`). Under kShared the block selects
-  // once (see BlockSelection; CPU backend). Rollback then drops the rejected
-  // tail. The CUDA backend runs a block in one step: each position selects,
-  // the union of a sequence's positions' pages is fetched once, and each
-  // position attends its own (a sequence whose partition cannot hold the
-  // union takes its block in halves).
+  // once (see BlockSelection). Rollback then drops the rejected tail. The
+  // CUDA backend runs a block in one step: each position selects (or the
+  // block once), the union of a sequence's positions' pages is fetched once,
+  // and each position attends its own (a sequence whose partition cannot
+  // hold the union takes its block in halves; a shared block, never split,
+  // is ResourceExhausted).
   Status DecodeBlock(std::span<const SeqId> seqs, std::span<const int> block, int layer, const float* q, float* out,
                      AttendStats* stats = nullptr);
 

@@ -267,7 +267,9 @@ Status CudaBackendImpl::PlanShared(StepPlan& p) {
   return Status::Ok();
 }
 
-// A block step's union rows: what its rows of one head may select together.
+// A block step's union rows: what its rows of one head may select together
+// (shared: the list's selection and the local windows of its rows, which
+// start no lower than its first row's).
 void CudaBackendImpl::PlanUnion(StepPlan& p) {
   const int H = g_.kv_heads;
   if (!p.block) {
@@ -278,10 +280,16 @@ void CudaBackendImpl::PlanUnion(StepPlan& p) {
   p.usel_indptr.assign(std::size_t(p.L) * H + 1, 0);
   for (int l = 0; l < p.L; ++l)
     for (int h = 0; h < H; ++h) {
-      int64_t cap = 0;
-      for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
-        cap += sel[p.members[m] * H + h + 1] - sel[p.members[m] * H + h];
       const int ur = l * H + h;
+      int64_t cap = 0;
+      if (p.shared) {
+        const int32_t first = p.counts[p.members[p.members_indptr[l]]];
+        const int32_t window_start = first - std::min(std::max(c_.policy.local_pages, 1), first);
+        cap = int64_t(p.lplan.out_indptr[ur + 1] - p.lplan.out_indptr[ur]) + (p.list_pages[l] - window_start);
+      } else {
+        for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
+          cap += sel[p.members[m] * H + h + 1] - sel[p.members[m] * H + h];
+      }
       p.usel_indptr[ur + 1] = p.usel_indptr[ur] + int32_t(std::min<int64_t>(cap, p.list_pages[l]));
     }
   p.uentries = p.usel_indptr.back();
