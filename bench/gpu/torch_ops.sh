@@ -22,6 +22,9 @@ case ${1:-} in
     tmp=$(mktemp -d)
     cp "${libs[@]}" "$uring" "$cudart" "$tmp/"
     strip --strip-debug "$tmp"/*.a
+    # The libraries' C++ ABI (std::string, std::list): the extension must be
+    # compiled with the same (torch.compiled_with_cxx11_abi()).
+    if nm "$tmp/libquestkv_core.a" 2>/dev/null | grep -q __cxx11; then echo 1 >"$tmp/cxx11_abi"; else echo 0 >"$tmp/cxx11_abi"; fi
     tar -cJf "$out" -C "$tmp" .
     rm -rf "$tmp"
     ls -la "$out" ;;
@@ -32,16 +35,22 @@ case ${1:-} in
     mkdir -p "$work/libs" "$work/pkg/questkv" "$OUT"
     tar -xJf "$tarball" -C "$work/libs"
     cp python/questkv/*.py "$work/pkg/questkv/"
-    QKV_LIBS=$work/libs QKV_PKG=$work/pkg/questkv python3 - <<'EOF'
-import glob, os, shutil
+    QKV_LIBS=$work/libs QKV_PKG=$work/pkg/questkv python3 - <<'EOF' || exit 1
+import glob, os, shutil, sys
+import torch
 from torch.utils.cpp_extension import load
 libs = os.environ["QKV_LIBS"]
+packed = open(f"{libs}/cxx11_abi").read().strip() if os.path.exists(f"{libs}/cxx11_abi") else "?"
+print(f"questkv ops: torch {torch.__version__}, C++11 ABI torch {int(torch.compiled_with_cxx11_abi())}, "
+      f"libraries {packed}", flush=True)
+if packed in ("0", "1") and int(packed) != int(torch.compiled_with_cxx11_abi()):
+    sys.exit("questkv ops: the libraries' C++ ABI differs from torch's: pack a build configured with "
+             f"CMAKE_CXX_FLAGS=-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}")
 order = ["runtime", "prefetch", "selector", "kernels_cuda", "kernels", "tiers", "topology", "core"]
 archives = [f"{libs}/libquestkv_{n}.a" for n in order]
 archives += [a for a in sorted(glob.glob(f"{libs}/*.a")) if a not in archives and "cudart" not in a]
 # The CUDA runtime torch itself loads, not a second (static) one in the
 # extension: one runtime in the process.
-import torch
 site = os.path.dirname(os.path.dirname(torch.__file__))
 cudart = sorted(glob.glob(f"{site}/nvidia/**/libcudart.so*", recursive=True))
 if cudart and os.environ.get("QKV_CUDART", "torch") == "torch":
@@ -57,6 +66,38 @@ load(name="questkv_ops", sources=["python/ops.cc"], extra_include_paths=[os.getc
      is_python_module=False, build_directory=libs, verbose=False)
 shutil.copy(f"{libs}/questkv_ops.so", os.environ["QKV_PKG"] + "/libquestkv_ops.so")
 EOF
-    PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v tests/python/test_ops.py 2>&1 | tee "$OUT/torch-ops.log" | tail -25 ;;
+    # The CPU-backend tests first: a crash in the CUDA ones then says which.
+    PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v tests.python.test_ops.EngineOwnedOps \
+      tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors >"$OUT/torch-ops.log" 2>&1
+    status=$?
+    tail -25 "$OUT/torch-ops.log"
+    if [ $status -gt 128 ]; then
+      # Killed by a signal: the native frames of a CUDA runtime's creation,
+      # from a handler preloaded into a process that does only that.
+      cat >"$work/backtrace.c" <<'C'
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+static void on_fault(int sig) {
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+__attribute__((constructor)) static void install(void) {
+  signal(SIGSEGV, on_fault);
+  signal(SIGABRT, on_fault);
+  signal(SIGBUS, on_fault);
+}
+C
+      cc -shared -fPIC -O1 -o "$work/backtrace.so" "$work/backtrace.c"
+      PYTHONPATH=$work/pkg LD_PRELOAD=$work/backtrace.so python3 -c "
+import torch, questkv
+print('torch', torch.__version__, 'cuda', torch.version.cuda, flush=True)
+questkv.Runtime(layers=2, q_heads=8, kv_heads=2, head_dim=64, page_size=16, dtype='f16', token_budget=128,
+                backend='cuda')
+print('created', flush=True)" 2>&1 | c++filt | tee "$OUT/torch-ops-backtrace.log" | tail -40
+    fi
+    exit $status ;;
   *) echo "usage: $0 pack [build_dir] [libs.tar.xz] | run [libs.tar.xz]" >&2; exit 2 ;;
 esac

@@ -118,7 +118,8 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   if (p.async) {
     QKV_RETURN_IF_ERROR(TicketCall());
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
-    if (s.selected) *s.selected += p.entries;  // exact for max/mean and dense; union rows may use less
+    // entries: exact for max/mean and dense; union rows and shared blocks' rows may use less.
+    if (s.selected) *s.selected += p.entries;
     p.clock.Mark(kLaunch);
     // The reports of all but the newest kReportsInFlight - 1 calls; the
     // device runs those meanwhile.
@@ -132,8 +133,9 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   int64_t reported = 0;
   QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/0, &reported));
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));
-  // entries: exact for max/mean and dense; union rows may use less. A block
-  // step's report counts its lists' unions, not its rows.
+  // entries: exact for max/mean and dense; union rows and shared blocks' rows
+  // (their capacities) may use less. A block step's report counts its lists'
+  // unions, not its rows.
   if (s.selected && !p.want_sel) *s.selected += p.note && !p.block ? reported : p.entries;
   p.clock.Mark(kReadback);  // selections, timings, reports
   return Status::Ok();
