@@ -284,13 +284,13 @@ void CudaBackendImpl::PlanUnion(StepPlan& p) {
     for (int h = 0; h < H; ++h) {
       const int ur = l * H + h;
       int64_t cap = 0;
+      for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
+        cap += sel[p.members[m] * H + h + 1] - sel[p.members[m] * H + h];
       if (p.shared) {
         const int32_t first = p.counts[p.members[p.members_indptr[l]]];
         const int32_t window_start = first - std::min(std::max(c_.policy.local_pages, 1), first);
-        cap = int64_t(p.lplan.out_indptr[ur + 1] - p.lplan.out_indptr[ur]) + (p.list_pages[l] - window_start);
-      } else {
-        for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
-          cap += sel[p.members[m] * H + h + 1] - sel[p.members[m] * H + h];
+        cap = std::min<int64_t>(
+            cap, int64_t(p.lplan.out_indptr[ur + 1] - p.lplan.out_indptr[ur]) + (p.list_pages[l] - window_start));
       }
       p.usel_indptr[ur + 1] = p.usel_indptr[ur] + int32_t(std::min<int64_t>(cap, p.list_pages[l]));
     }
