@@ -72,7 +72,7 @@ void TierMover::NoteSelected(uint32_t page, int64_t step) {
   h.last_step = step;
 }
 
-Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t step, bool every_step) {
+Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t step) {
   Home& h = homes_[page];
   assert(h.host_slot == kNoSlot && h.io == Io::kIdle);
   auto slot = host_->Allocate();
@@ -86,7 +86,6 @@ Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t s
   h.sealed = true;
   h.generation = generation;
   h.last_step = step - 1;  // sealed, not yet selected: demotable this step
-  h.every_step = every_step;
   CountHost();
   return static_cast<void*>(host_->data(*slot));
 }
@@ -296,7 +295,6 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
   std::size_t used = homes_used();
   bool queue_full = false;
   const int64_t max_age = kOrderAgeModelSteps * 2 * std::max(1, g_.layers);
-  auto last_use = [&](const Home& h) { return h.every_step ? step : h.last_step; };
   // A stale or used-up order is rebuilt; one that runs out without reaching
   // the target is rebuilt once more (pages sealed or promoted since).
   for (int pass = 0; pass < 2 && used > target_used && !queue_full; ++pass) {
@@ -306,8 +304,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
         if (eligible(homes_[p])) order_.push_back(p);
       auto colder = [&](uint32_t a, uint32_t b) {
         const Home &x = homes_[a], &y = homes_[b];
-        const int64_t lx = last_use(x), ly = last_use(y);
-        return lx != ly ? lx < ly : x.uses < y.uses;
+        return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
       };
       if (order_.size() > kOrderBatch) {
         std::nth_element(order_.begin(), order_.begin() + kOrderBatch, order_.end(), colder);
@@ -321,7 +318,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
     for (; order_pos_ < order_.size() && used > target_used; ++order_pos_) {
       const uint32_t p = order_[order_pos_];
       Home& h = homes_[p];
-      if (!eligible(h) || last_use(h) > order_step_) continue;  // gone, busy, or selected since
+      if (!eligible(h) || h.last_step > order_step_) continue;  // gone, busy, or selected since
       if (disk_->Holds(p, h.generation)) {
         // Immutable page already on disk: leaving the host costs no write.
         SetHostValid(p, false);

@@ -101,10 +101,8 @@ class TierMover {
   // home and returns it to be filled (ResourceExhausted when host and disk
   // are both full, IOError when demotions keep failing); SealEnd, once the
   // bytes have landed, checksums it and makes it readable. Between the two
-  // the page is neither readable nor demotable. every_step: a page of a
-  // dense layer, read at every decode step: it counts as selected at every
-  // step without being noted (NoteSelected), so the last to be demoted.
-  Result<void*> SealBegin(uint32_t page, uint32_t generation, int64_t step, bool every_step = false);
+  // the page is neither readable nor demotable.
+  Result<void*> SealBegin(uint32_t page, uint32_t generation, int64_t step);
   void SealEnd(uint32_t page);
   // Whether the page was sealed (has a home, readable or not).
   bool sealed(uint32_t page) const { return page < homes_.size() && homes_[page].sealed; }
@@ -162,7 +160,6 @@ class TierMover {
     Io io = Io::kIdle;
     uint32_t generation = 0;
     int64_t last_step = -1;   // last selected
-    bool every_step = false;  // selected at every step (SealBegin)
     int64_t pinned_epoch = -1; // read in place from the host slot during this epoch
     uint32_t uses = 0;
     uint64_t checksum = 0;    // PageChecksum at seal time

@@ -46,7 +46,7 @@ class DataPlane {
   virtual ~DataPlane() = default;
 
   // ---- partitions: one per (sequence, layer) ----------------------------------
-  virtual Result<uint32_t> AddPartition(int layer) = 0;
+  virtual Result<uint32_t> AddPartition() = 0;
   // Every slot of the partition freed (pinned slots of pages still shared
   // land where they can still be sealed from).
   virtual void RemovePartition(uint32_t part) = 0;

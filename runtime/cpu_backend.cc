@@ -38,8 +38,7 @@ class CpuBackend final : public DataPlane {
       : c_(c), g_(c.geometry), ids_(ids), mover_(mover), summaries_(std::move(summaries)), hbm_(std::move(hbm)),
         selector_(c.geometry, c.policy) {}
 
-  // (Resolve notes every selected page itself, a dense layer's included.)
-  Result<uint32_t> AddPartition(int) override { return hbm_->AddPartition(); }
+  Result<uint32_t> AddPartition() override { return hbm_->AddPartition(); }
   void RemovePartition(uint32_t part) override {
     hbm_->RemovePartition(part);
     groups_.erase(part);

@@ -356,7 +356,7 @@ Result<SeqId> Runtime::CreateSequence() {
   s.drafts.assign(I.g.layers, 0);
   s.partitions.reserve(I.g.layers);
   for (int l = 0; l < I.g.layers; ++l) {
-    auto part = I.backend->AddPartition(l);
+    auto part = I.backend->AddPartition();
     if (!part.ok()) {
       for (uint32_t p : s.partitions) I.backend->RemovePartition(p);
       I.seqs.erase(id);

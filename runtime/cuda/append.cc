@@ -68,7 +68,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/sealing_.size() >= kMaxSealsInFlight));
   MarkStream(kMarkAppend);
   AppendPlan a;
-  a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold, a.every_step = parts_[part].every_step;
+  a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
   a.old_tokens = list.tokens, a.end = list.tokens + n;
   a.old_pages = int64_t(list.pages.size());
   a.total_pages = (a.end + g_.page_size - 1) / g_.page_size;
@@ -124,7 +124,7 @@ Status CudaBackendImpl::ReserveAppend(const PageList& list, int64_t step, Append
   }
   for (int64_t p = a.old_tokens / S; p < a.end / S && !a.hold; ++p) {
     const PageId id = p < a.old_pages ? list.pages[p] : a.fresh[p - a.old_pages];
-    auto home = BeginSeal(id, step, a.every_step);
+    auto home = BeginSeal(id, step);
     if (!home.ok()) {
       for (const AppendPlan::Sealing& s : a.sealing) mover_->Drop(s.page);
       drop_fresh();
@@ -163,11 +163,11 @@ Status CudaBackendImpl::LaunchSeals(const std::vector<kc::SealJob>& jobs) {
   return Status::Ok();
 }
 
-Result<void*> CudaBackendImpl::BeginSeal(PageId page, int64_t step, bool every_step) {
-  auto home = mover_->SealBegin(page, ids_->generation(page), step, every_step);
+Result<void*> CudaBackendImpl::BeginSeal(PageId page, int64_t step) {
+  auto home = mover_->SealBegin(page, ids_->generation(page), step);
   if (home.ok() || home.status().code() != Code::kResourceExhausted || sealing_.empty()) return home;
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/true));
-  return mover_->SealBegin(page, ids_->generation(page), step, every_step);
+  return mover_->SealBegin(page, ids_->generation(page), step);
 }
 
 Status CudaBackendImpl::EndSealsLater(std::span<const AppendPlan::Sealing> seals) {
@@ -299,8 +299,7 @@ std::vector<int32_t> CudaBackendImpl::TakePinnedSlots(const PageId* page) {
 Status CudaBackendImpl::SealHeld(PageId page) {
   const auto it = held_.find(page);
   if (it == held_.end()) return Status::Ok();
-  const Partition& P = parts_[it->second.part];
-  QKV_ASSIGN_OR_RETURN(void* home, BeginSeal(page, step_, P.live && P.every_step));
+  QKV_ASSIGN_OR_RETURN(void* home, BeginSeal(page, step_));
   const int H = g_.kv_heads;
   std::vector<kc::SealJob> jobs;
   char* dst = static_cast<char*>(home_dev(home));

@@ -298,7 +298,7 @@ class CudaBackendImpl final : public DataPlane {
 
   Status Init();
 
-  Result<uint32_t> AddPartition(int layer) override;
+  Result<uint32_t> AddPartition() override;
   void RemovePartition(uint32_t part) override;
   void PageDied(PageId page) override {
     // Its seal copy lands first: the mover frees the home after this.
@@ -454,7 +454,6 @@ class CudaBackendImpl final : public DataPlane {
     uint64_t seq = 0;  // order of queuing
     int64_t step = 0;
     bool strict = false, first_head_only = false;
-    bool every_step = false;  // a dense layer's: its pages need no notes
     int rows = 0, kv_heads = 0;
     std::vector<int32_t> sel_indptr, page_counts;  // [rows + 1], [batch]
     std::size_t o_counts = 0, o_cold_count = 0, o_cold = 0;  // pages at 0
@@ -482,9 +481,6 @@ class CudaBackendImpl final : public DataPlane {
     DevBuf pages;                    // device mirror of the page list
     int64_t pages_len = 0;
     int64_t last_need = 0;           // slots its last step could select: what it keeps
-    // A dense layer's: its pages are read at every decode step, which the
-    // mover counts without a note a page (TierMover::SealBegin).
-    bool every_step = false;
   };
 
   std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
@@ -559,7 +555,6 @@ class CudaBackendImpl final : public DataPlane {
     const void* v = nullptr;
     bool host_f32 = true;
     bool hold = false;                // draft tokens: filled pages stay in hbm, unsealed (held_)
-    bool every_step = false;          // the partition's (Partition::every_step)
     int64_t old_tokens = 0, end = 0, old_pages = 0, total_pages = 0;
     int64_t t = 0;                    // next token to write
     std::vector<PageId> fresh;        // ids of the pages this call adds
@@ -581,7 +576,7 @@ class CudaBackendImpl final : public DataPlane {
   // for an event after the copies. EndSeals: those whose event has passed,
   // or all after a wait; EndSealOf: the page's, before the host reads or
   // frees it.
-  Result<void*> BeginSeal(PageId page, int64_t step, bool every_step);
+  Result<void*> BeginSeal(PageId page, int64_t step);
   Status EndSealsLater(std::span<const AppendPlan::Sealing> seals);
   Status EndSeals(bool wait);
   Status EndSealOf(PageId page) { return sealing_.count(page) ? EndSeals(/*wait=*/true) : Status::Ok(); }

@@ -5,7 +5,7 @@ namespace questkv::cuda_backend {
 
 // ---- partitions ------------------------------------------------------------------
 
-Result<uint32_t> CudaBackendImpl::AddPartition(int layer) {
+Result<uint32_t> CudaBackendImpl::AddPartition() {
   const int H = g_.kv_heads;
   QKV_RETURN_IF_ERROR(Reclaim(H, H, 0));
   if (int64_t(free_.size()) < H)
@@ -21,7 +21,6 @@ Result<uint32_t> CudaBackendImpl::AddPartition(int layer) {
   Partition& P = parts_[id];
   P = Partition{};
   P.live = true;
-  P.every_step = c_.policy.is_dense(layer);
   P.tail = TakePinnedSlots(nullptr);
   // Now: a queued set would land after a later release of these slots.
   QKV_RETURN_IF_ERROR(FlushUpdates());

@@ -328,7 +328,6 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
   r->step = s.step;
   r->strict = p.strict;
   r->first_head_only = dense;
-  r->every_step = c_.policy.is_dense(s.layer);
   r->rows = rows;
   r->kv_heads = g_.kv_heads;
   r->sel_indptr = p.block ? p.usel_indptr : p.splan.out_indptr;
@@ -353,8 +352,7 @@ Status CudaBackendImpl::TakeReports(int keep, int64_t* selected) {
 
 // A report to the mover: each selected page noted once (a row that selected
 // every page of its sequence notes them all, so the other rows need not: at
-// 1M tokens a dense layer's 8 rows were 524K scattered writes a call; a
-// dense layer's pages, selected at every step, need no notes at all), and
+// 1M tokens a dense layer's 8 rows were 524K scattered writes a call), and
 // under `deadline` the cold misses' promotions started.
 Status CudaBackendImpl::ApplyReport(Report& r, int64_t* selected) {
   r.pending = false;
@@ -367,7 +365,7 @@ Status CudaBackendImpl::ApplyReport(Report& r, int64_t* selected) {
       const int row = b * H + h;
       const int n = counts[row];
       if (selected) *selected += n;
-      if (r.every_step || noted_all || (r.first_head_only && h > 0)) continue;
+      if (noted_all || (r.first_head_only && h > 0)) continue;
       const uint32_t* ids = pages + r.sel_indptr[row];
       for (int i = 0; i < n; ++i) mover_->NoteSelected(ids[i], r.step);
       noted_all = n == r.page_counts[b];

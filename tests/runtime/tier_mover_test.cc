@@ -40,8 +40,8 @@ class TierMoverTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   // Seals `page` with bytes derived from `seed` through SealBegin/SealEnd.
-  void SealPage(uint32_t page, uint8_t seed, int64_t step, bool every_step = false) {
-    auto home = mover_->SealBegin(page, /*generation=*/1, step, every_step);
+  void SealPage(uint32_t page, uint8_t seed, int64_t step) {
+    auto home = mover_->SealBegin(page, /*generation=*/1, step);
     ASSERT_TRUE(home.ok()) << home.status().ToString();
     EXPECT_EQ(mover_->HostHome(page), nullptr) << "readable before SealEnd";
     std::vector<uint8_t> bytes(g_.page_bytes());
@@ -127,19 +127,6 @@ TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
   EXPECT_NE(mover_->HostHome(3), nullptr) << "a page selected since the order was made was demoted";
   for (uint32_t p : {4u, 5u, 6u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
   EXPECT_LE(host_->used(), 6u);
-  CheckHomes();
-}
-
-// A dense layer's page (sealed every_step) counts as selected at every step
-// without notes: demoted after every page selected before the current step.
-TEST_F(TierMoverTest, PagesSelectedAtEveryStepAreDemotedLast) {
-  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(p), 1, /*every_step=*/p == 0 || p == 4);
-  // Pages 1, 2, 3, 5, 6 last selected at steps 3..7; 0 and 4 never noted.
-  for (uint32_t p : {1u, 2u, 3u, 5u, 6u}) mover_->NoteSelected(p, p + 2);
-  ASSERT_TRUE(mover_->Pump(20).ok());  // down to low water (4): the three coldest go
-  ASSERT_TRUE(mover_->Pump(21).ok());
-  for (uint32_t p : {1u, 2u, 3u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
-  for (uint32_t p : {0u, 4u, 5u, 6u}) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p;
   CheckHomes();
 }
 
