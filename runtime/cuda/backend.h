@@ -385,6 +385,7 @@ class CudaBackendImpl final : public DataPlane {
     int L = 0;
     std::vector<uint32_t> lists;                   // [L] partitions, in order of first row
     std::vector<int32_t> members_indptr, members;  // [L+1], [B]: rows of each list, in row order
+    std::vector<int32_t> list_of;                  // [B] each row's list
     std::vector<int32_t> list_start, list_pages;   // [L+1] page table starts (the longest row's), [L]
     std::vector<int32_t> part_indptr;              // [L+1] list slots
     std::vector<int32_t> usel_indptr;              // [L*Hkv+1] union rows' capacities (block)
@@ -399,7 +400,7 @@ class CudaBackendImpl final : public DataPlane {
     bool shared = false;
     kc::SelectShape lshape;
     kc::SelectPlan lplan;
-    std::vector<int32_t> lpage_indptr, q_rows, list_of;  // [L+1], [L+1], [B]
+    std::vector<int32_t> lpage_indptr;  // [L+1]
     const uint32_t* list_ids = nullptr;                  // the lists' page tables side by side
     // Re-rank (SelectionPolicy::rerank): a widened select's rows are the
     // candidates LaunchRerank narrows to splan's.
@@ -419,7 +420,7 @@ class CudaBackendImpl final : public DataPlane {
     std::size_t o_sel = 0, o_cand = 0, o_part = 0, o_last = 0, o_lists = 0, o_step = 0;
     std::size_t o_lstart = 0, o_usel = 0, o_members = 0;  // block steps
     std::size_t o_srcs = 0;                               // B > 1
-    std::size_t o_lsel = 0, o_lpages = 0, o_qrows = 0, o_listof = 0, o_lsrcs = 0;  // shared
+    std::size_t o_lsel = 0, o_lpages = 0, o_listof = 0, o_lsrcs = 0;  // shared
     int64_t use_mark = 0;  // this launch's (PackHeader)
     const int32_t* d_hdr = nullptr;
     const uint32_t* page_ids = nullptr;

@@ -41,16 +41,11 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   if (!stats) return Status::Ok();
   const int64_t pages_budget = c_.policy.page_budget(st.layer, g_.page_size);
   stats->head_pages_selected += selected;
-  // A shared block scores once, over its last row's pages.
-  std::size_t block_end = 0, next_block = 0;
   for (std::size_t r = 0; r < st.lists.size(); ++r) {
     const int64_t pages = int64_t(st.lists[r]->pages.size());
     stats->head_pages_total += pages * g_.kv_heads;
-    bool scores = true;
-    if (a.shared) {
-      if (r == block_end && next_block < st.shared_blocks.size()) block_end += std::size_t(st.shared_blocks[next_block++]);
-      scores = r + 1 == block_end;
-    }
+    // A shared block scores once, over its last row's pages.
+    const bool scores = !a.shared || r + 1 == st.lists.size() || st.partitions[r + 1] != st.partitions[r];
     if (scores && !st.dense && !c_.policy.is_dense(st.layer) && pages_budget < pages) {
       stats->summary_bytes_read += pages * int64_t(summary_bytes());
       // The re-rank reads its candidates' keys.
@@ -199,7 +194,8 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
 // its longest row's (the others' views are prefixes of it).
 void CudaBackendImpl::PlanLists(const StepArgs& s, StepPlan& p) {
   const int B = p.B;
-  std::vector<int> list_of(B);
+  std::vector<int32_t>& list_of = p.list_of;
+  list_of.assign(B, 0);
   p.lists.clear();
   for (int b = 0; b < B; ++b) {
     const auto it = std::find(p.lists.begin(), p.lists.end(), s.partitions[b]);
@@ -226,27 +222,21 @@ void CudaBackendImpl::PlanLists(const StepArgs& s, StepPlan& p) {
 }
 
 // Shared blocks: each list (a block's rows, consecutive, its last the
-// longest) selects once with its rows' queries; a row may hold its list's
-// selection below its own local window, and that window.
+// longest) selects once with its rows' queries, rows members_indptr[l] ..
+// members_indptr[l + 1] - 1; a row may hold its list's selection below its
+// own local window, and that window.
 Status CudaBackendImpl::PlanShared(StepPlan& p) {
   const int L = p.L, H = g_.kv_heads;
   if (p.rerank)
     return Status::Unimplemented("the CUDA backend re-ranks each row on its own: shared block selection with "
                                  "rerank needs the CPU backend");
-  p.q_rows.assign(L + 1, 0);
   p.lpage_indptr.assign(L + 1, 0);
-  p.list_of.assign(p.B, 0);
   int positions = 1;
   for (int l = 0; l < L; ++l) {
     const int32_t m0 = p.members_indptr[l], m1 = p.members_indptr[l + 1];
-    for (int32_t m = m0; m < m1; ++m) {
-      const int b = p.members[m];
-      if (b != p.members[m0] + (m - m0) || p.counts[b] > p.counts[p.members[m1 - 1]])
+    for (int32_t m = m0; m < m1; ++m)
+      if (p.members[m] != m || p.counts[m] > p.counts[m1 - 1])
         return Status::Internal("a shared block's rows are not consecutive views of one list");
-      p.list_of[b] = l;
-    }
-    p.q_rows[l] = p.members[m0];
-    p.q_rows[l + 1] = p.members[m1 - 1] + 1;
     p.lpage_indptr[l + 1] = p.lpage_indptr[l] + p.list_pages[l];
     positions = std::max(positions, m1 - m0);
   }
@@ -428,10 +418,9 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
 // Header: page_indptr [B+1] | sel_indptr [rows+1] | cand_indptr [rows+1]
 // (re-rank) | part_indptr [L+1] | last_len [B] | list_start [L+1] |
 // usel_indptr [L*Hkv+1] and members_indptr [L+1] | members [B] (block) |
-// lsel_indptr [L*Hkv+1], lpage_indptr [L+1], q_rows [L+1], list_of [B]
-// (shared) | part_lists [L] (pointers) | use mark (int64) | rows' page
-// tables [B] (pointers, B > 1) | lists' page tables [L] (pointers, shared
-// and L > 1).
+// lsel_indptr [L*Hkv+1], lpage_indptr [L+1], list_of [B] (shared) |
+// part_lists [L] (pointers) | use mark (int64) | rows' page tables [B]
+// (pointers, B > 1) | lists' page tables [L] (pointers, shared and L > 1).
 // The use mark is new at every launch, not the decode step: the resolve's
 // victims are the list slots not marked by this launch, and a caller may
 // decode one list several times a step.
@@ -460,8 +449,6 @@ void CudaBackendImpl::PackHeader(const StepArgs& s, StepPlan& p) {
     hdr.insert(hdr.end(), p.lplan.out_indptr.begin(), p.lplan.out_indptr.end());
     p.o_lpages = hdr.size();
     hdr.insert(hdr.end(), p.lpage_indptr.begin(), p.lpage_indptr.end());
-    p.o_qrows = hdr.size();
-    hdr.insert(hdr.end(), p.q_rows.begin(), p.q_rows.end());
     p.o_listof = hdr.size();
     hdr.insert(hdr.end(), p.list_of.begin(), p.list_of.end());
   }

@@ -78,7 +78,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     lp.shape = p.lshape;
     lp.page_indptr = p.d_hdr + p.o_lpages;
     lp.page_ids = p.list_ids;
-    lp.q_rows = p.d_hdr + p.o_qrows;
+    lp.q_rows = p.d_hdr + p.o_members;  // members_indptr: a list's rows are consecutive
     lp.out_indptr = p.d_hdr + p.o_lsel;
     lp.out_pages = shared_pages_.as<int32_t>();
     lp.out_count = shared_count_.as<int32_t>();
