@@ -29,7 +29,7 @@
 #            draft-32768-0 draft-32768-4); both through device pointers, or the host API's
 #            floats with DRAFT_API=host;
 #            draft-CTX-N-dense: the same with every layer dense; draft-CTX-N-shared: one page
-#            set a block (--block-selection shared)
+#            set a block (--block-selection shared); from 512K on, homes as l3-512k-all / l3-1m-all
 #   l3-1m-all    the same homes, every page cached in HBM (128 GiB of K/V + 8 GiB of summaries
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
@@ -86,9 +86,19 @@ for run in $RUNS; do
       [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && extra="--dense-layers $(seq -s, 0 31)"
       [ "${spec%-shared}" != "$spec" ] && spec=${spec%-shared} && extra="--block-selection shared"
       ctx=${spec%-*}; n=${spec#*-}
+      # From 512K on, the K/V is homed on $HOST_512K / $HOST_1M of pinned host and the rest on
+      # disk, as l3-512k-all and l3-1m-all (pages cached in HBM, `deadline`).
+      homes=""
+      if [ $ctx -ge 524288 ]; then
+        rm -rf "$DISK" && mkdir -p "$DISK"
+        if [ $ctx -ge 1048576 ]; then homes="--host-bytes ${HOST_1M:-80G} --disk-bytes ${DISK_1M:-56G}"
+        else homes="--host-bytes ${HOST_512K:-40G} --disk-bytes ${DISK_512K:-40G}"; fi
+        homes="$homes --disk-dir $DISK --cold-miss deadline"
+      fi
       api="--decode-api ${DRAFT_API:-device}"  # the same calls for the blocks and their baseline
       [ "$n" = 0 ] || api="$api --draft $n"
-      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $extra ;;
+      one $run --preset llama3-8b --context $ctx --steps 16 --recall-every 0 $api $extra $homes
+      [ -n "$homes" ] && rm -rf "$DISK" ;;
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do
         # 128K with 1/8 of the K/V in HBM is l3-all / l3-2g: reuse them when they ran.

@@ -23,8 +23,10 @@ case ${1:-} in
     cp "${libs[@]}" "$uring" "$cudart" "$tmp/"
     strip --strip-debug "$tmp"/*.a
     # The libraries' C++ ABI (std::string, std::list): the extension must be
-    # compiled with the same (torch.compiled_with_cxx11_abi()).
-    if nm "$tmp/libquestkv_core.a" 2>/dev/null | grep -q __cxx11; then echo 1 >"$tmp/cxx11_abi"; else echo 0 >"$tmp/cxx11_abi"; fi
+    # compiled with the same (torch.compiled_with_cxx11_abi()). grep reads all
+    # of nm's output: with -q it would stop early, and pipefail would count
+    # nm's broken pipe as no match.
+    if nm "$tmp/libquestkv_core.a" 2>/dev/null | grep __cxx11 >/dev/null; then echo 1 >"$tmp/cxx11_abi"; else echo 0 >"$tmp/cxx11_abi"; fi
     tar -cJf "$out" -C "$tmp" .
     rm -rf "$tmp"
     ls -la "$out" ;;
@@ -35,6 +37,10 @@ case ${1:-} in
     mkdir -p "$work/libs" "$work/pkg/questkv" "$OUT"
     tar -xJf "$tarball" -C "$work/libs"
     cp python/questkv/*.py "$work/pkg/questkv/"
+    # The system g++: a toolchain that links its own static libstdc++ into the
+    # extension (the GPU machine's /opt/gcc does) gives it a second C++
+    # runtime beside torch's, and the first stream it formats crashes.
+    [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
     QKV_LIBS=$work/libs QKV_PKG=$work/pkg/questkv python3 - <<'EOF' || exit 1
 import glob, os, shutil, sys
 import torch
@@ -63,17 +69,22 @@ load(name="questkv_ops", sources=["python/ops.cc"], extra_include_paths=[os.getc
      extra_cflags=["-std=c++20", "-O2"],
      extra_ldflags=["-Wl,--start-group", *archives, *runtime, "-Wl,--end-group", "-lhwloc", "-ldl", "-lrt",
                     "-lpthread"],
-     is_python_module=False, build_directory=libs, verbose=False)
+     is_python_module=False, build_directory=libs, verbose=os.environ.get("QKV_VERBOSE") == "1")
+import subprocess
+needed = subprocess.run(["readelf", "-d", f"{libs}/questkv_ops.so"], capture_output=True, text=True).stdout
+if "libstdc++.so" not in needed:
+    sys.exit("questkv ops: the extension does not load libstdc++.so (a static C++ runtime of its own): "
+             "build it with a compiler that links the shared one (CXX)")
 shutil.copy(f"{libs}/questkv_ops.so", os.environ["QKV_PKG"] + "/libquestkv_ops.so")
 EOF
     # The CPU-backend tests first: a crash in the CUDA ones then says which.
-    PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v tests.python.test_ops.EngineOwnedOps \
-      tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors >"$OUT/torch-ops.log" 2>&1
-    status=$?
+    tests="tests.python.test_ops.EngineOwnedOps tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors"
+    status=0
+    PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v $tests >"$OUT/torch-ops.log" 2>&1 || status=$?
     tail -25 "$OUT/torch-ops.log"
     if [ $status -gt 128 ]; then
-      # Killed by a signal: the native frames of a CUDA runtime's creation,
-      # from a handler preloaded into a process that does only that.
+      # Killed by a signal: the same tests again with a handler preloaded
+      # that prints the native frames of the fault.
       cat >"$work/backtrace.c" <<'C'
 #include <execinfo.h>
 #include <signal.h>
@@ -91,12 +102,8 @@ __attribute__((constructor)) static void install(void) {
 }
 C
       cc -shared -fPIC -O1 -o "$work/backtrace.so" "$work/backtrace.c"
-      PYTHONPATH=$work/pkg LD_PRELOAD=$work/backtrace.so python3 -c "
-import torch, questkv
-print('torch', torch.__version__, 'cuda', torch.version.cuda, flush=True)
-questkv.Runtime(layers=2, q_heads=8, kv_heads=2, head_dim=64, page_size=16, dtype='f16', token_budget=128,
-                backend='cuda')
-print('created', flush=True)" 2>&1 | c++filt | tee "$OUT/torch-ops-backtrace.log" | tail -40
+      PYTHONPATH=$work/pkg LD_PRELOAD=$work/backtrace.so python3 -m unittest -v $tests 2>&1 | c++filt |
+        tee "$OUT/torch-ops-backtrace.log" | grep -v '^test_.* ok$' | tail -60 || true
     fi
     exit $status ;;
   *) echo "usage: $0 pack [build_dir] [libs.tar.xz] | run [libs.tar.xz]" >&2; exit 2 ;;
