@@ -13,8 +13,8 @@ Status CudaBackendImpl::Init() {
   if (g_.page_size != 8 && g_.page_size != 16 && g_.page_size != 32 && g_.page_size != 64)
     return Status::InvalidArgument("the CUDA backend supports page_size 8, 16, 32, 64, not " + std::to_string(g_.page_size));
   const int G = g_.group();
-  if (G != 1 && G != 2 && G != 4 && G != 8)
-    return Status::InvalidArgument("the CUDA backend supports GQA groups 1, 2, 4, 8, not " + std::to_string(G));
+  if (G < 1 || G > 8)
+    return Status::InvalidArgument("the CUDA backend supports GQA groups 1 to 8, not " + std::to_string(G));
   if (c_.policy.group_pages != 0 || c_.policy.unread_bound_mass != 0)
     return Status::Unimplemented(
         "the CUDA backend selects by the flat Quest scan with a fixed K: group_pages and unread_bound_mass "

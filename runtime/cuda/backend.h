@@ -374,6 +374,7 @@ class CudaBackendImpl final : public DataPlane {
     HostClock clock;
     int B = 0, rows = 0, max_row = 0;
     std::size_t qelems = 0;
+    bool padded = false;  // q and out through qpad_ and opad_ (kgroup())
     DType dt = DType::kF16;
     std::vector<int32_t> counts, last_len, page_indptr;  // [B], [B], [B+1]
     // The resolve's sequences: the distinct lists (partitions) of the rows.
@@ -441,6 +442,9 @@ class CudaBackendImpl final : public DataPlane {
   Status ReadCold(StepPlan& p, int32_t n);
   Status SettleCold(const StepArgs& s, StepPlan& p);
   Status Enqueue(const StepArgs& s, StepPlan& p, bool capturing);
+  // A padded step's q into qpad_, and its kernels' outputs from opad_ into `out`.
+  Status PadQ(const StepPlan& p);
+  Status UnpadOut(const StepPlan& p, void* out);
   Status Launch(const StepArgs& s, StepPlan& p);
   Status ReadBack(const StepArgs& s, StepPlan& p);
   Status ReturnSelections(const StepArgs& s, StepPlan& p);
@@ -492,6 +496,15 @@ class CudaBackendImpl final : public DataPlane {
   bool e4m3() const { return g_.e4m3_summaries(); }
   DType sum_dtype() const { return e4m3() ? DType::kE4M3 : g_.dtype; }
   std::size_t summary_bytes() const { return g_.summary_elems() * g_.summary_elem_bytes(); }
+  // The kernels' GQA group: the model's, or for 3, 5, 6 and 7 the next power
+  // of two. A padded step runs its kernels on q copied into [rows][kgroup][D]
+  // (PadQ): the heads past the model's repeat the group's first head, so
+  // kMax and kUnion select exactly as over the model's heads, or for kMean
+  // are zero, which scales a row's every mean by G / kgroup and keeps its
+  // ranking (but for means one rounding apart); their outputs are dropped
+  // (UnpadOut). kUnion rows' capacities count the padded heads.
+  int kgroup() const { return std::bit_ceil(unsigned(g_.group())); }
+  bool padded() const { return kgroup() != g_.group(); }
   char* slot_ptr(int32_t s) const { return pool_.as<char>() + std::size_t(s) * 2 * piece(); }
   int32_t* hbm_cell(PageId p, int h) const { return hbm_slot_.as<int32_t>() + std::size_t(p) * g_.kv_heads + h; }
   void* home_dev(const void* home) const { return host_dev_ + (static_cast<const char*>(home) - host_base_); }
@@ -618,7 +631,7 @@ class CudaBackendImpl final : public DataPlane {
   // Per-call buffers.
   DevBuf summary_f32_, header_, batch_pages_, q_f32_, q_, o_, o_f32_, kv_f32_, kv_in_, v_in_, sel_pages_, sel_count_, res_slots_,
       res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_,
-      shared_pages_, shared_count_, list_pages_;
+      shared_pages_, shared_count_, list_pages_, qpad_, opad_;
   std::size_t att_ws_zeroed_ = 0;  // bytes at the start of att_ws_ known zero (the attention's counters)
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.

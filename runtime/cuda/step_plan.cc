@@ -155,7 +155,8 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   kc::SelectShape& shape = p.shape;
   shape.batch = B;
   shape.kv_heads = H;
-  shape.group = g_.group();
+  shape.group = kgroup();
+  p.padded = padded();
   shape.head_dim = g_.head_dim;
   shape.page_size = S;
   shape.page_budget = c_.policy.page_budget(s.layer, S);
@@ -332,7 +333,7 @@ Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   std::string err;
   if (!kc::PlanResolve(rshape, p.uentries, p.part_indptr[p.L], sms_, sms_, &p.rplan, &err))
     return Status::InvalidArgument(err);
-  kc::AttendShape ashape{p.rows, g_.kv_heads, g_.group(), g_.head_dim, g_.page_size, p.dt};
+  kc::AttendShape ashape{p.rows, g_.kv_heads, kgroup(), g_.head_dim, g_.page_size, p.dt};
   ashape.chain = c_.cuda_chain_kernels;
   if (!kc::PlanAttend(ashape, std::max(p.max_row, 1), sms_, &p.aplan, &err))
     return Status::InvalidArgument(err);
@@ -354,6 +355,11 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   const std::size_t qbytes = p.qelems * DTypeBytes(g_.dtype);
   QKV_RETURN_IF_ERROR(q_.Grow(qbytes));
   QKV_RETURN_IF_ERROR(o_.Grow(qbytes));
+  if (p.padded) {
+    const std::size_t pbytes = std::size_t(p.rows) * kgroup() * g_.head_dim * DTypeBytes(g_.dtype);
+    QKV_RETURN_IF_ERROR(qpad_.Grow(pbytes));
+    QKV_RETURN_IF_ERROR(opad_.Grow(pbytes));
+  }
   QKV_RETURN_IF_ERROR(sel_pages_.Grow(std::max<int64_t>(p.entries, 1) * 4));
   // The attention's slots and counts: the resolve's, or a block step's
   // BlockSlots written over them (a union row holds at most its rows'

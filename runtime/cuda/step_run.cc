@@ -44,6 +44,30 @@ Status CudaBackendImpl::SettleCold(const StepArgs& s, StepPlan& p) {
   }
 }
 
+Status CudaBackendImpl::PadQ(const StepPlan& p) {
+  const std::size_t e = DTypeBytes(p.dt), head = std::size_t(g_.head_dim) * e;
+  const int G = g_.group(), K = kgroup();
+  const std::size_t rows = std::size_t(p.rows), src_pitch = G * head, dst_pitch = K * head;
+  char* dst = qpad_.as<char>();
+  QKV_CUDA(cudaMemcpy2DAsync(dst, dst_pitch, p.q, src_pitch, src_pitch, rows, cudaMemcpyDeviceToDevice, stream_));
+  if (c_.policy.gqa == GqaMode::kMean) {
+    QKV_CUDA(cudaMemset2DAsync(dst + src_pitch, dst_pitch, 0, (K - G) * head, rows, stream_));
+  } else {
+    for (int g = G; g < K; ++g)
+      QKV_CUDA(cudaMemcpy2DAsync(dst + g * head, dst_pitch, p.q, src_pitch, head, rows, cudaMemcpyDeviceToDevice,
+                                 stream_));
+  }
+  return Status::Ok();
+}
+
+Status CudaBackendImpl::UnpadOut(const StepPlan& p, void* out) {
+  const std::size_t head = std::size_t(g_.head_dim) * DTypeBytes(p.dt);
+  const std::size_t pitch = g_.group() * head;
+  QKV_CUDA(cudaMemcpy2DAsync(out, pitch, opad_.as(), kgroup() * head, pitch, std::size_t(p.rows),
+                             cudaMemcpyDeviceToDevice, stream_));
+  return Status::Ok();
+}
+
 // The step's device work: select -> resolve -> attend, with the batch's page
 // ids gathered and q and out converted. Captured once per shape and replayed
 // when graphs are on and nothing in it waits for the host. Inputs (header,
@@ -55,6 +79,8 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
                                      batch_pages_.as<uint32_t>(), stream_));
   if (s.host_f32 && g_.dtype != DType::kF32)
     QKV_CUDA(kc::LaunchConvert(q_f32_.as(), DType::kF32, q_.as(), p.dt, p.qelems, stream_));
+  if (p.padded) QKV_RETURN_IF_ERROR(PadQ(p));
+  const void* kq = p.padded ? qpad_.as() : p.q;  // the kernels' q: [rows][kgroup][D]
   // Phase timing only when launched directly: cudaEventElapsedTime refuses
   // events recorded by a graph's nodes (cudaErrorInvalidValue).
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[0], stream_));
@@ -62,7 +88,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   sp.shape = p.shape;
   sp.q_dtype = p.dt;
   sp.summary_dtype = sum_dtype();
-  sp.q = p.q;
+  sp.q = kq;
   sp.summaries = summaries_.as();
   sp.page_indptr = p.d_hdr;
   sp.page_ids = p.page_ids;
@@ -107,7 +133,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     rr.shape = p.shape;
     rr.kv_dtype = p.dt;
     rr.summary_dtype = sum_dtype();
-    rr.q = p.q;
+    rr.q = kq;
     rr.summaries = summaries_.as();
     rr.page_indptr = p.d_hdr;
     rr.page_ids = p.page_ids;
@@ -162,13 +188,14 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[2], stream_));
   kc::AttendParams ap;
   ap.scale = 1.f / std::sqrt(float(g_.head_dim));
-  ap.q = p.q;
+  ap.q = kq;
   ap.slots = pool_.as();
   ap.indptr = p.d_hdr + p.o_sel;
   ap.count = res_count_.as<int32_t>();
   ap.slot_ids = res_slots_.as<int32_t>();
   ap.last_len = p.d_hdr + p.o_last;
-  ap.o = s.host_f32 ? o_.as() : s.out;
+  void* const out = s.host_f32 ? o_.as() : s.out;
+  ap.o = p.padded ? opad_.as() : out;
   ap.workspace = att_ws_.as();
   const kc::ResolveFillList fills = kc::ResolveFills(p.rplan, res_ws_.as());
   if (p.fill_in_attention) ap.fills = fills.jobs;
@@ -177,6 +204,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     if (p.fill_in_attention) kc::LaunchGather(fills.jobs, fills.count, piece(), sms_, stream_, c_.cuda_chain_kernels);
     return CudaStatus("RunAttend", e);
   }
+  if (p.padded) QKV_RETURN_IF_ERROR(UnpadOut(p, out));
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[3], stream_));
   if (s.host_f32 && g_.dtype != DType::kF32)
     QKV_CUDA(kc::LaunchConvert(o_.as(), p.dt, o_f32_.as(), DType::kF32, p.qelems, stream_));

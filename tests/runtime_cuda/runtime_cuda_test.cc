@@ -199,7 +199,14 @@ INSTANTIATE_TEST_SUITE_P(Backends, CudaVsCpu,
                                            Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3, SummaryDType::kE4M3},
                                            Case{DType::kBF16, GqaMode::kMean, 8, 2, 1e-2, SummaryDType::kE4M3},
                                            Case{DType::kF16, GqaMode::kUnion, 16, 2, 2e-3, SummaryDType::kE4M3},
-                                           Case{DType::kF16, GqaMode::kMax, 2, 2, 2e-3, SummaryDType::kE4M3}));
+                                           Case{DType::kF16, GqaMode::kMax, 2, 2, 2e-3, SummaryDType::kE4M3},
+                                           // Groups of 3, 5, 6, 7 run padded to 4 or 8 heads.
+                                           Case{DType::kF16, GqaMode::kMax, 6, 2, 2e-3},
+                                           Case{DType::kBF16, GqaMode::kMean, 6, 2, 1e-2},
+                                           Case{DType::kF16, GqaMode::kUnion, 6, 2, 2e-3},
+                                           Case{DType::kF32, GqaMode::kMax, 10, 2, 1e-5},
+                                           Case{DType::kF16, GqaMode::kMean, 12, 2, 2e-3},
+                                           Case{DType::kF16, GqaMode::kUnion, 14, 2, 2e-3, SummaryDType::kE4M3}));
 
 // The two-stage re-rank (SelectionPolicy::rerank) on the GPU: candidates by
 // the bound, kept by their exact scores from HBM slots or, with a small HBM,
@@ -208,7 +215,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, CudaVsCpu,
 TEST(CudaSelection, RerankMatchesCpu) {
   for (const Case& c : {Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3}, Case{DType::kF32, GqaMode::kMean, 8, 2, 1e-5},
                         Case{DType::kBF16, GqaMode::kMax, 16, 2, 1e-2, SummaryDType::kE4M3},
-                        Case{DType::kF16, GqaMode::kMean, 2, 2, 2e-3, SummaryDType::kE4M3}}) {
+                        Case{DType::kF16, GqaMode::kMean, 2, 2, 2e-3, SummaryDType::kE4M3},
+                        Case{DType::kF16, GqaMode::kMax, 6, 2, 2e-3}, Case{DType::kBF16, GqaMode::kMean, 6, 2, 1e-2}}) {
     std::ostringstream name;
     PrintTo(c, &name);
     SCOPED_TRACE(name.str());
@@ -437,15 +445,18 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
     SummaryDType sum;
     BlockSelection blocks;
     GqaMode gqa;
+    int q_heads = 8;
   };
   for (const Mode m : {Mode{SummaryDType::kKv, BlockSelection::kPerPosition, GqaMode::kMax},
+                       Mode{SummaryDType::kKv, BlockSelection::kPerPosition, GqaMode::kMean, 6},  // padded groups
+                       Mode{SummaryDType::kKv, BlockSelection::kShared, GqaMode::kMax, 6},
                        Mode{SummaryDType::kE4M3, BlockSelection::kPerPosition, GqaMode::kMax},
                        Mode{SummaryDType::kKv, BlockSelection::kShared, GqaMode::kMax},
                        Mode{SummaryDType::kKv, BlockSelection::kShared, GqaMode::kMean},
                        Mode{SummaryDType::kE4M3, BlockSelection::kShared, GqaMode::kUnion}}) {
     SCOPED_TRACE(std::string(SummaryDTypeName(m.sum)) + " summaries, " + std::string(BlockSelectionName(m.blocks)) +
-                 " " + std::string(GqaModeName(m.gqa)));
-    const Case c{DType::kF32, m.gqa, 8, 2, 1e-5, m.sum};
+                 " " + std::string(GqaModeName(m.gqa)) + ", Hq " + std::to_string(m.q_heads));
+    const Case c{DType::kF32, m.gqa, m.q_heads, 2, 1e-5, m.sum};
     Config all = MakeConfig(Backend::kCuda, c);
     all.policy.block_selection = m.blocks;
     Config small = all;
