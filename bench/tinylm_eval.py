@@ -15,6 +15,8 @@ Runs, each on a fresh questkv.Runtime per window:
 
 Prints a table; --json PATH writes every figure. Example (2-core VM, minutes):
   /usr/bin/python3 bench/tinylm_eval.py --windows 2 --window 4096 --steps 64
+With --backend cuda the model runs on the GPU and questkv's CUDA backend holds
+the K/V in --kv-dtype (f16 or bf16).
 """
 import argparse
 import hashlib
@@ -28,7 +30,8 @@ import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SUFFIXES = (".h", ".hh", ".hpp", ".hxx")
-KV_BYTES_PER_TOKEN = 6 * 2 * 2 * 64 * 4  # layers × (K, V) × Hkv × D × f32
+KV_ELEMS_PER_TOKEN = 6 * 2 * 2 * 64  # layers × (K, V) × Hkv × D
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args():
@@ -58,6 +61,9 @@ def parse_args():
     p.add_argument("--cold-miss", default="strict", choices=("strict", "deadline"),
                    help="a selected page on disk: wait for it (strict) or attend without it this step (deadline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
+                   help="questkv's backend; cuda also runs the model on the GPU")
+    p.add_argument("--kv-dtype", default="f16", choices=("f16", "bf16"), help="the CUDA backend's K/V dtype")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.windows < 1 or args.steps < 1 or args.window <= args.steps:
@@ -118,7 +124,12 @@ def runtime_config(args, budget, rerank=0.0, unread=0.0):
                 sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
                 dense_layers=range(6) if budget is None else [0, 1], gqa="max",
                 hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
-                disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, backend="cpu", dtype="f32")
+                disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, backend=args.backend, dtype=kv_dtype(args))
+
+
+def kv_dtype(args):
+    """The runtime's K/V dtype: float32 on the CPU backend."""
+    return "f32" if args.backend == "cpu" else args.kv_dtype
 
 
 class LayerCounts:
@@ -172,8 +183,9 @@ def evaluate(args, questkv, tinylm, model, spans):
             rt = questkv.Runtime(**runtime_config(args, budget, rerank, unread))
             if args.disk_dir:  # (two stats() calls a layer: not in the in-memory runs' timings)
                 rt = LayerCounts(rt)
-            runs[name].append(decode_figures(tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache),
-                                            rt if isinstance(rt, LayerCounts) else None))
+            r = tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache,
+                                    kv_dtype=KV_DTYPES[kv_dtype(args)])
+            runs[name].append(decode_figures(r, rt if isinstance(rt, LayerCounts) else None))
             del rt
         print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -186,7 +198,7 @@ def mean(rows, key):
 
 def print_table(args, runs):
     dense = mean(runs["dense"], "loss")
-    offload_mib = args.window * KV_BYTES_PER_TOKEN / 2**20
+    offload_mib = args.window * KV_ELEMS_PER_TOKEN * torch.empty(0, dtype=KV_DTYPES[kv_dtype(args)]).element_size() / 2**20
     print(f"tinylm, {args.windows} windows of {args.window} tokens, last {args.steps} decoded; means over windows")
     print("| run | loss (nats/byte) | vs dense | step ms/token | of which questkv | "
           "pages attended | K/V read KiB/token | summaries read KiB/token | "
@@ -234,7 +246,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     questkv, tinylm = load_modules(args.pythonpath)
-    model = tinylm.load(args.model_dir)
+    model = tinylm.load(args.model_dir, "cuda" if args.backend == "cuda" else "cpu")
     files = header_files(args.include)
     total, spans = windows(files, args.windows, args.window + 1)
     runs = evaluate(args, questkv, tinylm, model, spans)

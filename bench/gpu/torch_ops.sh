@@ -5,43 +5,29 @@
 # static libraries built here for sm_90; then tests/python/test_ops.py runs,
 # whose DeviceTensors tests need the GPU. The extension uses torch's own CUDA
 # runtime (QKV_CUDART=static: the static one packed here).
+# `tinylm` builds the same package, then decodes the trained model of
+# shared/models/tinylm (copied to MODEL_DIR) on the GPU with the CUDA backend
+# and on the CPU backend, over the same held-out headers (the machine's
+# /usr/include), and writes both tables to $OUT.
 #   here:   bash bench/gpu/torch_ops.sh pack [build_dir] [libs.tar.xz]
+#           cp -r ../shared/models/tinylm .device/tinylm
 #   device: bash bench/gpu/torch_ops.sh run [libs.tar.xz]
+#           bash bench/gpu/torch_ops.sh tinylm [libs.tar.xz] [model_dir] [eval flags...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-case ${1:-} in
-  pack)
-    build=${2:-build}
-    out=${3:-.device/torch/libs.tar.xz}
-    mkdir -p "$(dirname "$out")"
-    libs=()
-    for d in runtime prefetch selector kernels tiers topology core; do libs+=("$build"/$d/*.a); done
-    uring=$(grep -m1 '^pkgcfg_lib_URING_uring' "$build/CMakeCache.txt" | cut -d= -f2)
-    [ "${uring##*.}" = a ] || { echo "torch_ops: $build links liburing dynamically ($uring); configure it with liburing.a" >&2; exit 1; }
-    cudart=$(grep -m1 '^QUESTKV_CUDART_STATIC' "$build/CMakeCache.txt" | cut -d= -f2)
-    tmp=$(mktemp -d)
-    cp "${libs[@]}" "$uring" "$cudart" "$tmp/"
-    strip --strip-debug "$tmp"/*.a
-    # The libraries' C++ ABI (std::string, std::list): the extension must be
-    # compiled with the same (torch.compiled_with_cxx11_abi()). grep reads all
-    # of nm's output: with -q it would stop early, and pipefail would count
-    # nm's broken pipe as no match.
-    if nm "$tmp/libquestkv_core.a" 2>/dev/null | grep __cxx11 >/dev/null; then echo 1 >"$tmp/cxx11_abi"; else echo 0 >"$tmp/cxx11_abi"; fi
-    tar -cJf "$out" -C "$tmp" .
-    rm -rf "$tmp"
-    ls -la "$out" ;;
-  run)
-    tarball=${2:-.device/torch/libs.tar.xz}
-    OUT=${OUT:-/tmp/questkv-gpu-out}
-    work=$(mktemp -d)
-    mkdir -p "$work/libs" "$work/pkg/questkv" "$OUT"
-    tar -xJf "$tarball" -C "$work/libs"
-    cp python/questkv/*.py "$work/pkg/questkv/"
-    # The system g++: a toolchain that links its own static libstdc++ into the
-    # extension (the GPU machine's /opt/gcc does) gives it a second C++
-    # runtime beside torch's, and the first stream it formats crashes.
-    [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
-    QKV_LIBS=$work/libs QKV_PKG=$work/pkg/questkv python3 - <<'EOF' || exit 1
+# Builds the extension against this machine's PyTorch into $work/pkg/questkv.
+build_pkg() {
+  local tarball=$1
+  OUT=${OUT:-/tmp/questkv-gpu-out}
+  work=$(mktemp -d)
+  mkdir -p "$work/libs" "$work/pkg/questkv" "$OUT"
+  tar -xJf "$tarball" -C "$work/libs"
+  cp python/questkv/*.py "$work/pkg/questkv/"
+  # The system g++: a toolchain that links its own static libstdc++ into the
+  # extension (the GPU machine's /opt/gcc does) gives it a second C++
+  # runtime beside torch's, and the first stream it formats crashes.
+  [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
+  QKV_LIBS=$work/libs QKV_PKG=$work/pkg/questkv python3 - <<'EOF' || exit 1
 import glob, os, shutil, sys
 import torch
 from torch.utils.cpp_extension import load
@@ -77,6 +63,30 @@ if "libstdc++.so" not in needed:
              "build it with a compiler that links the shared one (CXX)")
 shutil.copy(f"{libs}/questkv_ops.so", os.environ["QKV_PKG"] + "/libquestkv_ops.so")
 EOF
+}
+case ${1:-} in
+  pack)
+    build=${2:-build}
+    out=${3:-.device/torch/libs.tar.xz}
+    mkdir -p "$(dirname "$out")"
+    libs=()
+    for d in runtime prefetch selector kernels tiers topology core; do libs+=("$build"/$d/*.a); done
+    uring=$(grep -m1 '^pkgcfg_lib_URING_uring' "$build/CMakeCache.txt" | cut -d= -f2)
+    [ "${uring##*.}" = a ] || { echo "torch_ops: $build links liburing dynamically ($uring); configure it with liburing.a" >&2; exit 1; }
+    cudart=$(grep -m1 '^QUESTKV_CUDART_STATIC' "$build/CMakeCache.txt" | cut -d= -f2)
+    tmp=$(mktemp -d)
+    cp "${libs[@]}" "$uring" "$cudart" "$tmp/"
+    strip --strip-debug "$tmp"/*.a
+    # The libraries' C++ ABI (std::string, std::list): the extension must be
+    # compiled with the same (torch.compiled_with_cxx11_abi()). grep reads all
+    # of nm's output: with -q it would stop early, and pipefail would count
+    # nm's broken pipe as no match.
+    if nm "$tmp/libquestkv_core.a" 2>/dev/null | grep __cxx11 >/dev/null; then echo 1 >"$tmp/cxx11_abi"; else echo 0 >"$tmp/cxx11_abi"; fi
+    tar -cJf "$out" -C "$tmp" .
+    rm -rf "$tmp"
+    ls -la "$out" ;;
+  run)
+    build_pkg "${2:-.device/torch/libs.tar.xz}"
     # The CPU-backend tests first: a crash in the CUDA ones then says which.
     tests="tests.python.test_ops.EngineOwnedOps tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors"
     status=0
@@ -106,5 +116,18 @@ C
         tee "$OUT/torch-ops-backtrace.log" | grep -v '^test_.* ok$' | tail -60 || true
     fi
     exit $status ;;
-  *) echo "usage: $0 pack [build_dir] [libs.tar.xz] | run [libs.tar.xz]" >&2; exit 2 ;;
+  tinylm)
+    build_pkg "${2:-.device/torch/libs.tar.xz}"
+    model=${3:-.device/tinylm}
+    shift $(($# < 3 ? $# : 3))
+    # The same windows for both backends; the CPU backend's table is the reference
+    # the GPU's is compared with (f16 K/V against f32).
+    for backend in cuda cpu; do
+      echo "== tinylm, questkv $backend backend" >&2
+      python3 bench/tinylm_eval.py --pythonpath "$work/pkg" --model-dir "$model" --backend $backend \
+        --json "$OUT/tinylm-$backend.json" "$@" 2>"$OUT/tinylm-$backend.err" | tee "$OUT/tinylm-$backend.txt" ||
+        { tail -20 "$OUT/tinylm-$backend.err"; exit 1; }
+    done ;;
+  *) echo "usage: $0 pack [build_dir] [libs.tar.xz] | run [libs.tar.xz] | tinylm [libs.tar.xz] [model_dir] [flags]" >&2
+     exit 2 ;;
 esac
