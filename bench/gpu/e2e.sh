@@ -34,6 +34,7 @@
 #            fit an H200): the 1M ceiling. `deadline`: no page misses, so no cold miss ever
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
 #            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
+#   RUN-mma  any run above with --mma-scores (the select's scores on the tensor cores), named RUN-mma
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
 #            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
 set -u -o pipefail
@@ -49,11 +50,11 @@ Q="$BIN/questkv run --backend cuda --json --token-budget 2048"
 L3="--preset llama3-8b --context 131072 --steps $STEPS"
 status=0
 one() {  # name, flags...
-  local name=$1
+  local name=$1$SUFFIX
   shift
-  echo "== e2e $name: $*" >&2
+  echo "== e2e $name: $* $EXTRA" >&2
   local t0=$(date +%s%N)
-  if $Q "$@" --profile-host >"$OUT/e2e-$name.json" 2>"$OUT/e2e-$name.err"; then
+  if $Q "$@" $EXTRA --profile-host >"$OUT/e2e-$name.json" 2>"$OUT/e2e-$name.err"; then
     echo "   done in $((($(date +%s%N) - t0) / 1000000)) ms; $(tail -1 "$OUT/e2e-$name.err")" >&2
   else
     echo "   FAILED: $(tail -3 "$OUT/e2e-$name.err")" >&2
@@ -62,6 +63,9 @@ one() {  # name, flags...
   fi
 }
 for run in $RUNS; do
+  # RUN-mma: RUN with the select's scores on the tensor cores.
+  SUFFIX="" EXTRA=""
+  if [ "${run%-mma}" != "$run" ]; then run=${run%-mma} SUFFIX=-mma EXTRA=--mma-scores; fi
   case $run in
     l3-all) one l3-all $L3 --recall-every 32 ;;
     l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
@@ -102,15 +106,15 @@ for run in $RUNS; do
     sweep)
       for ctx in ${SWEEP:-2048 8192 32768 131072}; do
         # 128K with 1/8 of the K/V in HBM is l3-all / l3-2g: reuse them when they ran.
-        if [ $ctx = 131072 ] && [ -s "$OUT/e2e-l3-all.json" ] && [ -s "$OUT/e2e-l3-2g.json" ]; then
-          cp "$OUT/e2e-l3-all.json" "$OUT/e2e-sweep-131072-all.json"
-          cp "$OUT/e2e-l3-2g.json" "$OUT/e2e-sweep-131072-8th.json"
+        if [ $ctx = 131072 ] && [ -s "$OUT/e2e-l3-all$SUFFIX.json" ] && [ -s "$OUT/e2e-l3-2g$SUFFIX.json" ]; then
+          cp "$OUT/e2e-l3-all$SUFFIX.json" "$OUT/e2e-sweep-131072-all$SUFFIX.json"
+          cp "$OUT/e2e-l3-2g$SUFFIX.json" "$OUT/e2e-sweep-131072-8th$SUFFIX.json"
           continue
         fi
         # 1M: the host cannot home 128 GiB, so its points are the 1M runs (disk tier).
         if [ $ctx = 1048576 ]; then
-          [ -s "$OUT/e2e-l3-1m-all.json" ] && cp "$OUT/e2e-l3-1m-all.json" "$OUT/e2e-sweep-1048576-all.json"
-          [ -s "$OUT/e2e-l3-1m-deadline.json" ] && cp "$OUT/e2e-l3-1m-deadline.json" "$OUT/e2e-sweep-1048576-8th.json"
+          [ -s "$OUT/e2e-l3-1m-all$SUFFIX.json" ] && cp "$OUT/e2e-l3-1m-all$SUFFIX.json" "$OUT/e2e-sweep-1048576-all$SUFFIX.json"
+          [ -s "$OUT/e2e-l3-1m-deadline$SUFFIX.json" ] && cp "$OUT/e2e-l3-1m-deadline$SUFFIX.json" "$OUT/e2e-sweep-1048576-8th$SUFFIX.json"
           continue
         fi
         kv=$((ctx * 32 * 8 * 128 * 2 * 2))  # bytes of K/V, f16

@@ -15,6 +15,7 @@
 //   usage: questkv_gpu_kernels_bench [--json FILE] [--reps N]
 //          [--select-only [--contexts 8192,32768,131072] [--geometry llama2-7b|llama3-8b] [--batches 1,16]]
 //          [--split-long-rows]  (rows of 16K+ pages: the top-K's phases one launch each, for an A/B)
+//          [--mma-scores]  (the select's scores on the tensor cores, SelectShape::mma_scores, for an A/B)
 //          [--attend-only [--geometry ..] [--batches ..]]  (copy + attend: a quick A/B of the attention)
 //          [--summary-dtype f16|e4m3]  (the select and step summaries; default f16; TB/s figures
 //                                       count their bytes at 2 or 1 a element)
@@ -122,6 +123,7 @@ const Geo kAttendGeos[] = {kGeos[0], kGeos[1], {"llama3-70b", 8, 8}};
 constexpr int D = 128, S = 16;
 int g_sms = 0;
 bool g_split_long_rows = false;  // --split-long-rows
+bool g_mma_scores = false;       // --mma-scores
 DType g_summary_dtype = DType::kF16;  // --summary-dtype
 FILE* g_json = nullptr;
 std::vector<std::string> g_table;
@@ -258,6 +260,7 @@ StepResult BenchStep(Timer& tm, const Geo& g, int batch, long long context, int 
   ss.page_budget = budget / S;
   ss.sink_pages = 1;
   ss.local_pages = 8;
+  ss.mma_scores = g_mma_scores;
   SelectPlan splan;
   if (!PlanSelect(ss, counts.data(), g_sms, &splan, &err)) std::fprintf(stderr, "%s\n", err.c_str()), std::exit(1);
   if (g_split_long_rows) splan.split_long_rows = true;  // else the SelectShape's (false)
@@ -527,6 +530,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--split-long-rows")) g_split_long_rows = true;
+    else if (!std::strcmp(argv[i], "--mma-scores")) g_mma_scores = true;
     else if (!std::strcmp(argv[i], "--summary-dtype") && i + 1 < argc) {
       const char* v = argv[++i];
       if (!std::strcmp(v, "f16")) g_summary_dtype = DType::kF16;
@@ -540,9 +544,10 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   g_sms = prop.multiProcessorCount;
   std::printf("device: %s, %d SMs, L2 %d MiB\n", prop.name, g_sms, prop.l2CacheSize >> 20);
-  Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d,\"summary_dtype\":\"%s\"}", prop.name, g_sms,
-       DTypeName(g_summary_dtype));
+  Json("{\"bench\":\"device\",\"name\":\"%s\",\"sms\":%d,\"summary_dtype\":\"%s\",\"mma_scores\":%d}", prop.name,
+       g_sms, DTypeName(g_summary_dtype), int(g_mma_scores));
   if (g_summary_dtype != DType::kF16) std::printf("summaries: %s\n", DTypeName(g_summary_dtype));
+  if (g_mma_scores) std::printf("scores: tensor cores (mma)\n");
   Timer tm;
   if (select_only) {  // quick A/B of select: no dense pools, no attention sweep
     for (const Geo& g : kGeos)

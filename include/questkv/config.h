@@ -190,6 +190,11 @@ struct Config {
   // split into launches (the one-launch kernel's blocks wait for each other,
   // which another stream holding SMs could stall).
   bool cuda_split_long_rows = false;
+  // The select's scores on the tensor cores (f16 queries with f16 or E4M3
+  // summaries, bf16 with bf16; one position a row): the same bound summed
+  // in another order, so scores differ from the CPU backend's in their last
+  // bits and a selection may where two scores are that close.
+  bool cuda_mma_scores = false;
   // Host-side time of each decode step's and append's phases, and the
   // stream's time between the calls' marks (events between their work),
   // printed to stderr when the runtime is destroyed.

@@ -127,6 +127,11 @@ struct SelectShape {
   // Shared block selection (BlockSelection::kShared, SelectParams::q_rows):
   // the most query rows a batch row's block has. 1 otherwise.
   int positions = 1;
+  // Scores on the tensor cores (ScoreKernelMma) where q is f16 with f16 or
+  // E4M3 summaries, or bf16 with bf16 ones, and a row is one position: the
+  // same bound, summed in another order, so scores differ from the CPU
+  // twin's in their last bits. Off: the CUDA-core kernels, bit for bit.
+  bool mma_scores = false;
 };
 
 // Host-side plan: the output CSR's row capacities (exact counts for kMax/kMean

@@ -289,6 +289,25 @@ __host__ __device__ inline long long LaneUnitsBefore(long long pages_before, int
   return (pages_before + (long long)b * (unit - 1)) / unit;
 }
 
+// Unit k's row (sequence b, its first page and page count n, KV head h)
+// and its first page i_begin in the row (warp-uniform).
+struct LaneUnitAt {
+  int b, first, n, h, i_begin;
+};
+__device__ inline LaneUnitAt FindLaneUnit(const SelectParams& p, long long k, int unit) {
+  const int H = p.shape.kv_heads;
+  int b = 0, hi_b = p.shape.batch;
+  while (hi_b - b > 1) {
+    const int mid = (b + hi_b) / 2;
+    if ((long long)H * LaneUnitsBefore(p.page_indptr[mid], mid, unit) <= k) b = mid; else hi_b = mid;
+  }
+  const int first = p.page_indptr[b], n = p.page_indptr[b + 1] - first;
+  const long long u0 = LaneUnitsBefore(first, b, unit);
+  const int per_head = int(LaneUnitsBefore(p.page_indptr[b + 1], b + 1, unit) - u0);
+  const int local = int(k - (long long)H * u0);
+  return {b, first, n, local / per_head, (local % per_head) * unit};
+}
+
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams p, float* scores, RowState* st,
                                                                     int unit) {
@@ -309,17 +328,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
   for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
-    int b = 0, hi_b = s.batch;  // the sequence owning unit k (warp-uniform)
-    while (hi_b - b > 1) {
-      const int mid = (b + hi_b) / 2;
-      if ((long long)H * LaneUnitsBefore(p.page_indptr[mid], mid, unit) <= k) b = mid; else hi_b = mid;
-    }
-    const int first = p.page_indptr[b], n = p.page_indptr[b + 1] - first;
-    const long long u0 = LaneUnitsBefore(first, b, unit);
-    const int per_head = int(LaneUnitsBefore(p.page_indptr[b + 1], b + 1, unit) - u0);
-    const int local = int(k - (long long)H * u0);
-    const int h = local / per_head;
-    const int i_begin = (local % per_head) * unit;
+    const auto [b, first, n, h, i_begin] = FindLaneUnit(p, k, unit);
     const RowPolicy pol = PolicyFor(s, n);
     if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
     const int i_end = min(n, i_begin + unit);
@@ -406,6 +415,161 @@ inline int LaneUnit(long long head_pages, int sms) {
   return unit;
 }
 
+// ScoreKernelMma (SelectShape::mma_scores): the bound as a product on the
+// tensor cores. U_p(q) = sum_j max(q_j min_j, q_j max_j) = sum_j (min(q_j, 0)
+// min_j + max(q_j, 0) max_j), so a head-page's score is the dot product of
+// its summary row [min | max] (2D elements, as stored) with [q- | q+], and
+// 16 head-pages against a group's G <= 8 query heads are one m16n8k16 mma
+// per 16 of those 2D elements (A: the pages, row-major; B: the heads,
+// zero past G). Each lane loads the 16 bytes of 8 consecutive elements of
+// its two pages (g and g + 8) straight from memory, and its query pieces in
+// the same order: a dot product may sum its dimensions in any order, so the
+// k-th row of A and B need only name the same element. The products are
+// exact (16-bit operands); the tensor cores' sums are not the CPU twin's
+// order, so scores differ from it in their last bits and a selection can
+// differ where two scores do (the twin's tests allow exactly that). An E4M3
+// summary (f16 queries) converts to f16 exactly, its ±inf codes to NaN,
+// which makes the score +inf as in the other kernels. kMax / kMean then
+// aggregate each page's G scores in the CPU's order (StoreScores).
+template <typename QT, typename SumT>
+constexpr bool kMmaScores =
+    (std::is_same_v<QT, __half> && (std::is_same_v<SumT, __half> || kIsE4m3<SumT>)) ||
+    (std::is_same_v<QT, __nv_bfloat16> && std::is_same_v<SumT, __nv_bfloat16>);
+
+template <typename QT>
+__device__ __forceinline__ void MmaScore16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<QT, __half>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // no mma below sm_80: never a silent wrong answer
+#endif
+}
+
+// Elements 8t..8t+7 of 32-element piece c of a head-page's summary row at
+// `row`, as four words of QT pairs (zero when `ok` is false).
+template <typename QT, typename SumT>
+__device__ __forceinline__ uint4 SummaryPiece(const unsigned char* row, int c, int t, bool ok) {
+  if (!ok) return make_uint4(0, 0, 0, 0);
+  if constexpr (kIsE4m3<SumT>) {
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(row + c * 32 + t * 8));
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((i < 2 ? raw.x : raw.y) >> (16 * (i & 1))),
+                                                       __NV_E4M3);
+      w[i] = uint32_t(h.x) | uint32_t(h.y) << 16;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    return Load16(row + (c * 32 + t * 8) * 2);
+  }
+}
+
+constexpr int kMmaWarps = 8;
+template <typename QT, typename SumT, int D, int G>
+__global__ void __launch_bounds__(kMmaWarps * 32) ScoreKernelMma(SelectParams p, float* scores, RowState* st, int unit) {
+  ChainWait();
+  ChainRelease();
+  static_assert(G <= 8 && D % 32 == 0, "a group fits the mma's 8 columns");
+  constexpr int kPieces = 2 * D / 32;  // 32-element pieces of a summary row
+  constexpr int kBatch = kPieces < 8 ? kPieces : 8;  // pieces loaded before their mma
+  constexpr int kRowBytes = 2 * D * int(sizeof(SumT));
+  const SelectShape& s = p.shape;
+  const int H = s.kv_heads;
+  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3, warp = int(threadIdx.x >> 5);
+  const long long units = (long long)H * LaneUnitsBefore(p.page_indptr[s.batch], s.batch, unit);
+  const QT* q_all = static_cast<const QT*>(p.q);
+  const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
+  for (long long k = (long long)blockIdx.x * kMmaWarps + warp; k < units; k += (long long)gridDim.x * kMmaWarps) {
+    const auto [b, first, n, h, i_begin] = FindLaneUnit(p, k, unit);
+    const RowPolicy pol = PolicyFor(s, n);
+    if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
+    const int i_end = min(n, i_begin + unit);
+    // B: column g is query head g (zero past G); lane (g, t) holds its
+    // elements 8t..8t+7 of each piece: min(q, 0) against the min half, max(q, 0)
+    // against the max half.
+    uint32_t qb[kPieces][4];
+    {
+      const QT* q = q_all + ((std::size_t)b * H * G + (std::size_t)h * G + (g < G ? g : 0)) * D;
+#pragma unroll
+      for (int c = 0; c < kPieces; ++c) {
+        const int e0 = c * 32 + t * 8;  // in [min | max]
+        const bool upper = e0 >= D;
+        const uint4 raw = g < G ? Load16(q + (upper ? e0 - D : e0)) : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          QT two[2];
+          memcpy(two, &w[i], 4);
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float f = ToFloat<QT>(two[j]);
+            two[j] = FromFloat<QT>(upper ? fmaxf(f, 0.f) : fminf(f, 0.f));  // exact: a 16-bit value or zero
+          }
+          memcpy(&qb[c][i], two, 4);
+        }
+      }
+    }
+    uint32_t kmax = 0, kmin_inv = 0;  // the unit's key range (st): one atomic pair per unit
+#pragma unroll 1
+    for (int i0 = i_begin; i0 < i_end; i0 += 16) {
+      const int ia = i0 + g, ib = i0 + g + 8;  // this lane's pages: rows g and g + 8 of A
+      const bool oka = ia < i_end, okb = ib < i_end;
+      const unsigned char* ra = slab + (oka ? ((long long)p.page_ids[first + ia] * H + h) * kRowBytes : 0);
+      const unsigned char* rb = slab + (okb ? ((long long)p.page_ids[first + ib] * H + h) * kRowBytes : 0);
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int c0 = 0; c0 < kPieces; c0 += kBatch) {
+        uint4 pa[kBatch], pb[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          pa[j] = SummaryPiece<QT, SumT>(ra, c0 + j, t, oka);
+          pb[j] = SummaryPiece<QT, SumT>(rb, c0 + j, t, okb);
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const uint32_t* q = qb[c0 + j];
+          MmaScore16<QT>(c, {pa[j].x, pb[j].x, pa[j].y, pb[j].y}, q[0], q[1]);
+          MmaScore16<QT>(c, {pa[j].z, pb[j].z, pa[j].w, pb[j].w}, q[2], q[3]);
+        }
+      }
+      // Lane (g, t): page ia's scores of heads 2t, 2t + 1 in c[0], c[1]; page
+      // ib's in c[2], c[3]. Each page's G scores to the lanes t = 0 (ia) and
+      // t = 1 (ib) of its quad.
+      float sa[G], sb[G];
+#pragma unroll
+      for (int x = 0; x < G; ++x) {
+        const int src = (lane & ~3) + x / 2;
+        sa[x] = FinishScore<SumT>(__shfl_sync(0xFFFFFFFFu, x % 2 ? c[1] : c[0], src));
+        sb[x] = FinishScore<SumT>(__shfl_sync(0xFFFFFFFFu, x % 2 ? c[3] : c[2], src));
+      }
+      const int i = t == 0 ? ia : ib;
+      if (t < 2 && i < i_end) {
+        const float agg = StoreScores<G>(s, scores, (long long)first * H + (long long)h * n + i, first, n, h, i,
+                                         t == 0 ? sa : sb);
+        if (!Skipped(pol, i)) kmax = max(kmax, Key(agg)), kmin_inv = max(kmin_inv, ~Key(agg));
+      }
+    }
+    if (st) {
+      kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
+      kmin_inv = __reduce_max_sync(0xFFFFFFFFu, kmin_inv);
+      if (lane == 0 && (kmax | kmin_inv)) {
+        atomicMax(&st[b * H + h].kmax, kmax);
+        atomicMax(&st[b * H + h].kmin_inv, kmin_inv);
+      }
+    }
+  }
+}
+
 // The score kernel for one (q dtype, summary dtype, D, G), and its grid.
 template <typename QT, typename SumT, int D, int G>
 cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, float* scores, RowState* st,
@@ -419,6 +583,16 @@ cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, floa
   // 140 us at b1 512K, 1987 vs 2358 us at b16 1M).
   // E4M3 phases are 128 dimensions: D = 64 takes the direct kernel.
   constexpr bool kStaged = Tile<SumT>::kPhaseDims <= D;
+  if constexpr (kMmaScores<QT, SumT>) {
+    if (s.mma_scores) {
+      const int sms = std::max(1, plan.score_blocks / kScoreBlocksPerSm);
+      const int unit = LaneUnit((long long)head_pages, sms);
+      const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
+      const int blocks = int(std::clamp<long long>((units + kMmaWarps - 1) / kMmaWarps, 1, 2LL * sms));
+      return LaunchChained(ScoreKernelMma<QT, SumT, D, G>, dim3(blocks), dim3(kMmaWarps * 32), 0, stream, s.chain, p,
+                           scores, st, unit);
+    }
+  }
   if constexpr (G == 4 && D == 128) {
     constexpr auto kernel = ScoreKernelLanes<QT, SumT, D, G>;
     constexpr int smem = kLaneSmem<SumT, D>;

@@ -165,6 +165,7 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.gqa = c_.policy.gqa;
   shape.dense = s.dense || c_.policy.is_dense(s.layer);
   shape.split_long_rows = c_.cuda_split_long_rows;
+  shape.mma_scores = c_.cuda_mma_scores;
   shape.chain = c_.cuda_chain_kernels;
   std::string err;
   if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);

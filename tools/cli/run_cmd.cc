@@ -21,6 +21,7 @@ constexpr const char* kUsage =
     "           --no-stage-misses (no HBM staging of misses while the resolve picks victims)\n"
     "           --gather-misses (the resolve's gather kernel fetches misses, not the attention)\n"
     "           --split-long-rows (long rows' top-K always in several launches)\n"
+    "           --mma-scores (the select's scores on the tensor cores: last bits differ from the CPU's)\n"
     "           --profile-host (host time of each decode and append phase, and the stream's time\n"
     "           between the calls' marks, printed to stderr at the end)\n"
     "           --gen gpu|host [gpu on cuda]: where the prefill's K/V are generated (the same values)\n"
@@ -139,6 +140,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   o.config.cuda_stage_misses = !f.has("no-stage-misses");
   o.config.cuda_fill_in_attention = !f.has("gather-misses");
   o.config.cuda_split_long_rows = f.has("split-long-rows");
+  o.config.cuda_mma_scores = f.has("mma-scores");
   o.config.cuda_profile_host = f.has("profile-host");
   QKV_ASSIGN_OR_RETURN(std::string gen, f.String("gen", o.config.backend == Backend::kCuda ? "gpu" : "host"));
   if (gen != "gpu" && gen != "host") return Status::InvalidArgument("--gen: '" + gen + "' (gpu, host)");
@@ -241,7 +243,7 @@ int RunMain(int argc, char** argv) {
                "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
                "draft", "accept-rate", "block-selection", "rerank", "group-pages", "unread-bound-mass", "adaptive-floor"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
-               "split-long-rows", "profile-host", "help"});
+               "split-long-rows", "mma-scores", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);
     return 2;
