@@ -8,7 +8,8 @@
 # binary is absent is skipped. SAN=0 skips compute-sanitizer; SDPA=0 skips
 # the PyTorch SDPA baseline (bench/gpu/sdpa_baseline.py); KERNELS=0 skips the
 # kernel tests and benchmarks, BENCH=0 the kernel benchmarks, E4M3=0 the benchmarks' second
-# pass with 8-bit E4M3 summaries; E2E="run ..." adds bench/gpu/e2e.sh's runs
+# pass with 8-bit E4M3 summaries; MMA=1 adds the select with its scores on the CUDA cores
+# and on the tensor cores (--mma-scores), f16 and E4M3; E2E="run ..." adds bench/gpu/e2e.sh's runs
 # whose table then comes last.
 set -u -o pipefail
 BIN=${1:-.device/bin}
@@ -62,6 +63,16 @@ if [ "${E4M3:-1}" != 0 ]; then
   "$BIN/questkv_gpu_kernels_bench" --summary-dtype e4m3 --json "$OUT/bench-e4m3.json" "$@" 2>&1 |
     tee "$OUT/bench-e4m3.log" | tail -60
   BENCH_JSONS+=(--bench-json "$OUT/bench-e4m3.json")
+fi
+if [ "${MMA:-0}" != 0 ]; then
+  # The select's scores on the CUDA cores and on the tensor cores, side by side.
+  for sd in f16 e4m3; do
+    for mma in "" --mma-scores; do
+      echo "== select, $sd summaries${mma:+, tensor-core scores}"
+      "$BIN/questkv_gpu_kernels_bench" --select-only --summary-dtype $sd $mma \
+        --json "$OUT/select-$sd${mma:+-mma}.json" "$@" 2>&1 | tail -12
+    done
+  done
 fi
 if [ "${SDPA:-1}" != 0 ]; then
   echo "== sdpa baseline"
