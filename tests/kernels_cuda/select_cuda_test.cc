@@ -319,7 +319,9 @@ void RunSelectCase(const SelectCase& c, uint64_t seed, int key_cache = 0, bool s
           }
           return false;
         };
-        if (c.gqa != GqaMode::kUnion) ASSERT_EQ(got.size(), want[h].size()) << "sequence " << b << ", KV head " << h;
+        if (c.gqa != GqaMode::kUnion) {
+          ASSERT_EQ(got.size(), want[h].size()) << "sequence " << b << ", KV head " << h;
+        }
         std::vector<int> diff;
         std::set_symmetric_difference(got.begin(), got.end(), want[h].begin(), want[h].end(), std::back_inserter(diff));
         for (int j : diff)
