@@ -110,7 +110,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
                                 "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
-                                "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor"};
+                                "cuda_mma_scores", "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -148,6 +148,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   c.prefetch_pages = Narrow<int>(Int(d, "prefetch_pages", c.prefetch_pages), "prefetch_pages");
   if (d.contains("backend")) c.backend = Value(ParseBackend(d.at("backend")));
   c.cuda_graphs = Int(d, "cuda_graphs", 1) != 0;
+  c.cuda_mma_scores = Int(d, "cuda_mma_scores", 0) != 0;
   return c;
 }
 

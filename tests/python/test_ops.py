@@ -423,6 +423,22 @@ class DeviceTensors(unittest.TestCase):
         torch.cuda.current_stream().wait_stream(side)
         self.assertEqual([self.dev.length(s[1], 1) for s in seqs], [self.host.length(s[0], 1) for s in seqs])
 
+    def test_tensor_core_scores_are_an_option_within_rounding(self):
+        # cuda_mma_scores sums the same bound in another order: on random
+        # keys no two pages' scores are that close, so the same pages and
+        # the same outputs as the CUDA-core scores.
+        mma = cuda_runtime(cuda_mma_scores=True)
+        seqs = (self.host.create_sequence(), mma.create_sequence())
+        for layer in range(2):
+            k, v = self.kv(700)
+            self.host.append(seqs[0], layer, k.float(), v.float())
+            mma.append(seqs[1], layer, k.cuda(), v.cuda())
+        for _ in range(4):
+            q = torch.randn(1, self.HQ, self.D, generator=self.g).half()
+            want = self.host.decode([seqs[0]], 1, q.float())
+            got = mma.decode([seqs[1]], 1, q.cuda())
+            torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+
     def test_bad_device_tensors_are_errors_that_change_nothing(self):
         s = self.dev.create_sequence()
         k, v = self.kv(20)
