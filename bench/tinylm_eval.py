@@ -12,6 +12,10 @@ Runs, each on a fresh questkv.Runtime per window:
   dense       questkv decode, every layer dense
   quest-B     questkv decode, Quest at token budget B (layers 0-1 dense,
               1 sink + 8 local pages), for each B in --budgets
+  quest-B-blockN, quest-B-blockN-shared
+              with --blocks N: the same positions N at a time through
+              DecodeBlock (a speculative verifier's calls, every draft
+              accepted), pages per position or one page set a block
 
 Prints a table; --json PATH writes every figure. Example (2-core VM, minutes):
   /usr/bin/python3 bench/tinylm_eval.py --windows 2 --window 4096 --steps 64
@@ -61,6 +65,7 @@ def parse_args():
     p.add_argument("--cold-miss", default="strict", choices=("strict", "deadline"),
                    help="a selected page on disk: wait for it (strict) or attend without it this step (deadline)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--blocks", type=int, default=0, help="also decode the steps in blocks of N (0: no)")
     p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
                    help="questkv's backend; cuda also runs the model on the GPU")
     p.add_argument("--kv-dtype", default="f16", choices=("f16", "bf16"), help="the CUDA backend's K/V dtype")
@@ -116,8 +121,8 @@ def windows(files, count, length):
     return total, [(s, read_span(files, s, length)) for s in starts]
 
 
-def runtime_config(args, budget, rerank=0.0, unread=0.0):
-    return dict(rerank=rerank, unread_bound_mass=unread, adaptive_floor=args.adaptive_floor if unread else 0,
+def runtime_config(args, budget, rerank=0.0, unread=0.0, blocks="per-position"):
+    return dict(block_selection=blocks, rerank=rerank, unread_bound_mass=unread, adaptive_floor=args.adaptive_floor if unread else 0,
                 group_pages=args.group_pages if budget else 0, layers=6, q_heads=6, kv_heads=2,
                 head_dim=64, page_size=args.page_size,
                 summary_dtype=args.summary_dtype, token_budget=budget or 256,
@@ -169,22 +174,31 @@ def evaluate(args, questkv, tinylm, model, spans):
     budgets = [int(b) for b in args.budgets.split(",")]
     reranks = [float(c) for c in args.reranks.split(",") if c]
     unreads = [float(e) for e in args.adaptive.split(",") if e]
-    configs = [("dense", None, 0.0, 0.0)]
+    configs = [("dense", None, 0.0, 0.0, 0, "per-position")]
     for b in budgets:
-        configs += [(f"quest-{b}", b, 0.0, 0.0)] + [(f"rerank{c:g}-{b}", b, c, 0.0) for c in reranks]
-        configs += [(f"adaptive{e:g}-{b}", b, 0.0, e) for e in unreads]
+        configs += [(f"quest-{b}", b, 0.0, 0.0, 0, "per-position")]
+        configs += [(f"rerank{c:g}-{b}", b, c, 0.0, 0, "per-position") for c in reranks]
+        configs += [(f"adaptive{e:g}-{b}", b, 0.0, e, 0, "per-position") for e in unreads]
+        if args.blocks:
+            n = args.blocks
+            configs += [(f"quest-{b}-block{n}", b, 0.0, 0.0, n, "per-position"),
+                        (f"quest-{b}-block{n}-shared", b, 0.0, 0.0, n, "shared")]
     runs = {"reference": []} | {name: [] for name, *_ in configs}
     prefill = args.window - args.steps
     for i, (start, data) in enumerate(spans):
         t0 = time.perf_counter()
         cache = tinylm.prefill_cache(model, data, prefill)
         runs["reference"].append(dict(loss=tinylm.reference_loss(model, data, prefill, args.steps, cache=cache)))
-        for name, budget, rerank, unread in configs:
-            rt = questkv.Runtime(**runtime_config(args, budget, rerank, unread))
-            if args.disk_dir:  # (two stats() calls a layer: not in the in-memory runs' timings)
+        for name, budget, rerank, unread, block, selection in configs:
+            rt = questkv.Runtime(**runtime_config(args, budget, rerank, unread, selection))
+            if args.disk_dir and not block:  # (two stats() calls a layer: not in the in-memory runs' timings)
                 rt = LayerCounts(rt)
-            r = tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache,
-                                    kv_dtype=KV_DTYPES[kv_dtype(args)])
+            if block:
+                r = tinylm.questkv_block_loss(model, rt, data, prefill, args.steps, block, cache=cache,
+                                              kv_dtype=KV_DTYPES[kv_dtype(args)])
+            else:
+                r = tinylm.questkv_loss(model, rt, data, prefill, args.steps, cache=cache,
+                                        kv_dtype=KV_DTYPES[kv_dtype(args)])
             runs[name].append(decode_figures(r, rt if isinstance(rt, LayerCounts) else None))
             del rt
         print(f"window {i + 1}/{len(spans)} at byte {start}: reference {runs['reference'][-1]['loss']:.4f}, "

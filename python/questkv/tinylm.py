@@ -186,25 +186,68 @@ def questkv_loss(m, rt, data, prefill, steps, dense=False, cache=None, kv_dtype=
     prefill..prefill+steps-1 teacher-forced with ``rt.decode`` (or ``rt.dense``);
     returns a DecodeResult. The sequence is freed at the end. ``kv_dtype``: the
     dtype ``rt`` takes K/V and queries in (float32 for the CPU backend)."""
+    attend = attention_calls(rt, dense, kv_dtype)
+
+    def decode(seq, tokens):
+        rows, in_questkv = [], 0.0
+        for p in range(prefill, prefill + steps):
+            row, seconds = decode_step(m, rt, seq, tokens[p], p, attend, kv_dtype)
+            rows.append(row[None, :])
+            in_questkv += seconds
+        return rows, in_questkv
+
+    return teacher_forced(m, rt, data, prefill, steps, cache, kv_dtype, decode)
+
+
+def questkv_block_loss(m, rt, data, prefill, steps, block, cache=None, kv_dtype=torch.float32):
+    """As questkv_loss, but positions prefill..prefill+steps-1 go through the
+    model ``block`` at a time, as a speculative verifier runs them: per layer
+    the block's K/V appended as drafts and its queries attended by one
+    ``rt.decode_block`` call (causal among themselves), every draft then
+    accepted (teacher forcing). With per-position selection this equals
+    questkv_loss; with shared selection it measures what one page set a
+    block costs. ``steps`` must be a multiple of ``block``."""
+    assert steps % block == 0, "steps must be a multiple of block"
+
+    def decode(seq, tokens):
+        rows, in_questkv = [], 0.0
+        for p in range(prefill, prefill + steps, block):
+            x = m["emb.weight"][tokens[p:p + block].to(m.device)]
+            pos = torch.arange(p, p + block)
+            for layer in range(LAYERS):
+                q, k, v = qkv(m, layer, x, pos)
+                sync(m)
+                t0 = time.perf_counter()
+                rt.append(seq, layer, k.to(kv_dtype), v.to(kv_dtype), draft=True)
+                out = rt.decode_block([seq], [block], layer, q.to(kv_dtype)).float()
+                sync(m)
+                in_questkv += time.perf_counter() - t0
+                x = finish_block(m, layer, x, out)
+            rt.accept(seq)
+            rows.append(logits(m, x))
+        return rows, in_questkv
+
+    return teacher_forced(m, rt, data, prefill, steps, cache, kv_dtype, decode)
+
+
+def teacher_forced(m, rt, data, prefill, steps, cache, kv_dtype, decode):
+    """A new sequence of ``rt`` holding the prefill's K/V, then ``decode(seq,
+    tokens)`` -> (logits rows, seconds inside questkv) over the decoded
+    positions; the DecodeResult. The sequence is freed at the end."""
     tokens = window_tokens(data, prefill, steps)
     cache = prefill_cache(m, data, prefill) if cache is None else cache
-    attend = attention_calls(rt, dense, kv_dtype)
     seq = rt.create_sequence()
     for layer, (k, v) in enumerate(cache):
         if k.shape[0]:
             rt.append(seq, layer, k.to(kv_dtype), v.to(kv_dtype))
     prefill_stats = rt.stats()
-    rows, in_questkv = [], 0.0
     with torch.no_grad():
         sync(m)
         t0 = time.perf_counter()
-        for p in range(prefill, prefill + steps):
-            row, seconds = decode_step(m, rt, seq, tokens[p], p, attend, kv_dtype)
-            rows.append(row)
-            in_questkv += seconds
+        rows, in_questkv = decode(seq, tokens)
         sync(m)
         elapsed = time.perf_counter() - t0
-    out = torch.stack(rows)
+    out = torch.cat(rows)
     stats = rt.stats()
     rt.free(seq)
     return DecodeResult(loss=F.cross_entropy(out, tokens[prefill + 1:].to(out.device)).item(),

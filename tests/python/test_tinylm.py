@@ -113,6 +113,20 @@ class TinyLMTest(unittest.TestCase):
         self.assertGreaterEqual(r.loss, self.reference - QUEST_TOLERANCE)
         self.assertLess(r.stats["head_pages_selected"], r.stats["head_pages_total"])
 
+    def test_blocks_per_position_equal_single_tokens_and_shared_differ(self):
+        # A verifier's blocks of 4 with per-position pages are the
+        # single-token decode (logits within float rounding: the block's
+        # layers run on [4, 384] matrices); one page set a block changes them.
+        single = self.run_questkv(self.runtime(token_budget=256))
+        blocks = self.tl.questkv_block_loss(self.model, self.runtime(token_budget=256), self.data, PREFILL, STEPS, 4,
+                                            cache=self.cache)
+        torch.testing.assert_close(blocks.logits, single.logits, rtol=1e-4, atol=1e-4)
+        shared = self.tl.questkv_block_loss(self.model, self.runtime(token_budget=256, block_selection="shared"),
+                                            self.data, PREFILL, STEPS, 4, cache=self.cache)
+        self.report("Quest 256, blocks of 4, shared pages", shared.loss)
+        self.assertFalse(torch.allclose(shared.logits, single.logits, rtol=1e-4, atol=1e-4))
+        self.assertTrue(math.isfinite(shared.loss))
+
     def test_tiered_runtime_equals_in_memory_bit_for_bit(self):
         in_memory = self.run_questkv(self.runtime())
         with tempfile.TemporaryDirectory() as disk_dir:
