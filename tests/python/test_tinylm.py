@@ -126,6 +126,10 @@ class TinyLMTest(unittest.TestCase):
         self.report("Quest 256, blocks of 4, shared pages", shared.loss)
         self.assertFalse(torch.allclose(shared.logits, single.logits, rtol=1e-4, atol=1e-4))
         self.assertTrue(math.isfinite(shared.loss))
+        # The block calls count what they read, as single-token calls do.
+        for r in (blocks, shared):
+            self.assertGreater(r.stats["head_pages_total"] - r.prefill_stats["head_pages_total"], 0)
+        self.assertEqual(blocks.stats["head_pages_total"], single.stats["head_pages_total"])
 
     def test_tiered_runtime_equals_in_memory_bit_for_bit(self):
         in_memory = self.run_questkv(self.runtime())
