@@ -307,6 +307,21 @@ __device__ inline LaneUnitAt FindLaneUnit(const SelectParams& p, long long k, in
   const int local = int(k - (long long)H * u0);
   return {b, first, n, local / per_head, (local % per_head) * unit};
 }
+// Units of the whole batch.
+__device__ inline long long LaneUnitCount(const SelectParams& p, int unit) {
+  return (long long)p.shape.kv_heads * LaneUnitsBefore(p.page_indptr[p.shape.batch], p.shape.batch, unit);
+}
+// A unit's key range (every lane's keys) into its row's state: one atomic
+// pair a unit (per step, as FoldKeyRange does, the same-address atomics cost
+// ~2x the scan at 1M on the H200).
+__device__ inline void FoldUnitKeyRange(RowState* row, uint32_t kmax, uint32_t kmin_inv) {
+  kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
+  kmin_inv = __reduce_max_sync(0xFFFFFFFFu, kmin_inv);
+  if ((threadIdx.x & 31) == 0 && (kmax | kmin_inv)) {
+    atomicMax(&row->kmax, kmax);
+    atomicMax(&row->kmin_inv, kmin_inv);
+  }
+}
 
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams p, float* scores, RowState* st,
@@ -324,7 +339,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
   const int lane = int(threadIdx.x & 31), grp = lane >> 3, l = lane & 7, warp = int(threadIdx.x >> 5);
   unsigned char* ring = lane_ring + warp * kLaneStages * kStage;
   long long* offs = reinterpret_cast<long long*>(lane_ring + kLaneWarps * kLaneStages * kStage) + warp * kLaneUnitMax;
-  const long long units = (long long)H * LaneUnitsBefore(p.page_indptr[s.batch], s.batch, unit);
+  const long long units = LaneUnitCount(p, unit);
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
   for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
@@ -395,14 +410,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
     }
     WaitCopies<0>();  // the empty tail groups too, before the next unit reuses the ring
     __syncwarp();
-    if (st) {  // per step (FoldKeyRange) the same-address atomics cost ~2x the scan at 1M (H200)
-      kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
-      kmin_inv = __reduce_max_sync(0xFFFFFFFFu, kmin_inv);
-      if (lane == 0 && (kmax | kmin_inv)) {
-        atomicMax(&st[b * H + h].kmax, kmax);
-        atomicMax(&st[b * H + h].kmin_inv, kmin_inv);
-      }
-    }
+    if (st) FoldUnitKeyRange(st + b * H + h, kmax, kmin_inv);
   }
 }
 
@@ -413,6 +421,16 @@ inline int LaneUnit(long long head_pages, int sms) {
   int unit = kLaneUnitMax;
   while (unit > 16 && head_pages / unit < 8LL * sms) unit /= 2;
   return unit;
+}
+// The unit and grid of a lanes (or mma) score kernel: at most two blocks an SM.
+struct LaneGrid {
+  int unit, blocks;
+};
+inline LaneGrid LaneGridFor(const SelectPlan& plan, const SelectShape& s) {
+  const int sms = std::max(1, plan.score_blocks / kScoreBlocksPerSm);
+  const int unit = LaneUnit((long long)plan.total_pages * s.kv_heads, sms);
+  const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
+  return {unit, int(std::clamp<long long>((units + kLaneWarps - 1) / kLaneWarps, 1, 2LL * sms))};
 }
 
 // ScoreKernelMma (SelectShape::mma_scores): the bound as a product on the
@@ -474,9 +492,8 @@ __device__ __forceinline__ uint4 SummaryPiece(const unsigned char* row, int c, i
   }
 }
 
-constexpr int kMmaWarps = 8;
 template <typename QT, typename SumT, int D, int G>
-__global__ void __launch_bounds__(kMmaWarps * 32) ScoreKernelMma(SelectParams p, float* scores, RowState* st, int unit) {
+__global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p, float* scores, RowState* st, int unit) {
   ChainWait();
   ChainRelease();
   static_assert(G <= 8 && D % 32 == 0, "a group fits the mma's 8 columns");
@@ -486,10 +503,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32) ScoreKernelMma(SelectParams p,
   const SelectShape& s = p.shape;
   const int H = s.kv_heads;
   const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3, warp = int(threadIdx.x >> 5);
-  const long long units = (long long)H * LaneUnitsBefore(p.page_indptr[s.batch], s.batch, unit);
+  const long long units = LaneUnitCount(p, unit);
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
-  for (long long k = (long long)blockIdx.x * kMmaWarps + warp; k < units; k += (long long)gridDim.x * kMmaWarps) {
+  for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
     const auto [b, first, n, h, i_begin] = FindLaneUnit(p, k, unit);
     const RowPolicy pol = PolicyFor(s, n);
     if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
@@ -559,14 +576,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) ScoreKernelMma(SelectParams p,
         if (!Skipped(pol, i)) kmax = max(kmax, Key(agg)), kmin_inv = max(kmin_inv, ~Key(agg));
       }
     }
-    if (st) {
-      kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
-      kmin_inv = __reduce_max_sync(0xFFFFFFFFu, kmin_inv);
-      if (lane == 0 && (kmax | kmin_inv)) {
-        atomicMax(&st[b * H + h].kmax, kmax);
-        atomicMax(&st[b * H + h].kmin_inv, kmin_inv);
-      }
-    }
+    if (st) FoldUnitKeyRange(st + b * H + h, kmax, kmin_inv);
   }
 }
 
@@ -585,24 +595,18 @@ cudaError_t LaunchScoreTyped(const SelectPlan& plan, const SelectParams& p, floa
   constexpr bool kStaged = Tile<SumT>::kPhaseDims <= D;
   if constexpr (kMmaScores<QT, SumT>) {
     if (s.mma_scores) {
-      const int sms = std::max(1, plan.score_blocks / kScoreBlocksPerSm);
-      const int unit = LaneUnit((long long)head_pages, sms);
-      const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
-      const int blocks = int(std::clamp<long long>((units + kMmaWarps - 1) / kMmaWarps, 1, 2LL * sms));
-      return LaunchChained(ScoreKernelMma<QT, SumT, D, G>, dim3(blocks), dim3(kMmaWarps * 32), 0, stream, s.chain, p,
-                           scores, st, unit);
+      const LaneGrid grid = LaneGridFor(plan, s);
+      return LaunchChained(ScoreKernelMma<QT, SumT, D, G>, dim3(grid.blocks), dim3(kLaneWarps * 32), 0, stream, s.chain,
+                           p, scores, st, grid.unit);
     }
   }
   if constexpr (G == 4 && D == 128) {
     constexpr auto kernel = ScoreKernelLanes<QT, SumT, D, G>;
     constexpr int smem = kLaneSmem<SumT, D>;
     if (const cudaError_t e = AllowDynamicSmem<kernel, smem>(); e != cudaSuccess) return e;
-    const int sms = std::max(1, plan.score_blocks / kScoreBlocksPerSm);
-    const int unit = LaneUnit((long long)head_pages, sms);
-    const long long units = (long long)s.kv_heads * LaneUnitsBefore(plan.total_pages, s.batch, unit);
-    const int blocks = int(std::clamp<long long>((units + kLaneWarps - 1) / kLaneWarps, 1, 2LL * sms));
-    if (const cudaError_t e = LaunchChained(kernel, dim3(blocks), dim3(kLaneWarps * 32), smem, stream, s.chain, p,
-                                            scores, st, unit);
+    const LaneGrid grid = LaneGridFor(plan, s);
+    if (const cudaError_t e = LaunchChained(kernel, dim3(grid.blocks), dim3(kLaneWarps * 32), smem, stream, s.chain, p,
+                                            scores, st, grid.unit);
         e != cudaSuccess)
       return e;
   } else if (kStaged && (G <= 2 || head_pages >= kStagedMinHeadPages)) {
