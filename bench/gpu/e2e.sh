@@ -12,6 +12,8 @@
 #   sweep    Llama-3-8B at $SWEEP tokens (default 2K 8K 32K 128K), every page in HBM and an
 #            HBM budget of 1/8 of the K/V (where that holds two steps' selections: >= 32K); plots: /usr/bin/python3 bench/plot_e2e.py $OUT PREFIX
 #   l3-all-nog   l3-all with --no-cuda-graphs (every step launched directly)
+#   l3-all-dense l3-all with every layer dense (the same runtime attending every page): the baseline
+#            each selection mode's step is compared with
 #   l3-all-e4m3, l3-2g-e4m3, l2-all-e4m3   l3-all, l3-2g and l2-all with 8-bit E4M3 summaries
 #            (--summary-dtype e4m3): the select scans half the bytes; recall sampled on l3-all-e4m3
 #   l3-all-s8-e4m3, l3-all-s8   l3-all with 8-token pages (sink and local windows of the same tokens),
@@ -37,6 +39,8 @@
 #   RUN-mma  any run above with --mma-scores (the select's scores on the tensor cores), named RUN-mma
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
 #            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
+#   l3-512k-all-rrC, l3-512k-all-dense   l3-512k-all with the two-stage re-rank (--rerank C), or
+#            every layer dense
 set -u -o pipefail
 BIN=${1:-.device/bin}
 shift || true
@@ -69,6 +73,7 @@ for run in $RUNS; do
   case $run in
     l3-all) one l3-all $L3 --recall-every 32 ;;
     l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
+    l3-all-dense) one l3-all-dense $L3 --recall-every 0 --dense-layers $(seq -s, 0 31) ;;
     gen-check) one sweep-32768-hostgen --preset llama3-8b --context 32768 --steps 16 --recall-every 0 --gen host ;;
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
     l3-all-e4m3) one l3-all-e4m3 $L3 --summary-dtype e4m3 --recall-every 32 ;;
@@ -136,9 +141,14 @@ for run in $RUNS; do
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
-    l3-512k-all)
+    l3-512k-all | l3-512k-all-rr* | l3-512k-all-dense)
+      mode=""
+      case $run in
+        l3-512k-all-rr*) mode="--rerank ${run#l3-512k-all-rr}" ;;
+        l3-512k-all-dense) mode="--dense-layers $(seq -s, 0 31)" ;;
+      esac
       rm -rf "$DISK" && mkdir -p "$DISK"
-      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 --cold-miss deadline \
+      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 --cold-miss deadline $mode \
         --host-bytes ${HOST_512K:-40G} --disk-dir "$DISK" --disk-bytes ${DISK_512K:-40G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;

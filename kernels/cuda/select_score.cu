@@ -446,9 +446,12 @@ inline LaneGrid LaneGridFor(const SelectPlan& plan, const SelectShape& s) {
 // exact (16-bit operands); the tensor cores' sums are not the CPU twin's
 // order, so scores differ from it in their last bits and a selection can
 // differ where two scores do (the twin's tests allow exactly that). An E4M3
-// summary (f16 queries) converts to f16 exactly, its ±inf codes to NaN,
-// which makes the score +inf as in the other kernels. kMax / kMean then
-// aggregate each page's G scores in the CPU's order (StoreScores).
+// summary (f16 queries) converts to f16 exactly, its ±inf codes to NaN. The
+// product then has NaN where the twin, which multiplies only the chosen
+// bound, may not (the other half's zero query times NaN): a tile with a NaN
+// score (rare: a key past ±448, or an empty box) scores its pages again on
+// the CUDA cores (ScoresAroundInfCodes). kMax / kMean then aggregate each
+// page's G scores in the CPU's order (StoreScores).
 template <typename QT, typename SumT>
 constexpr bool kMmaScores =
     (std::is_same_v<QT, __half> && (std::is_same_v<SumT, __half> || kIsE4m3<SumT>)) ||
@@ -492,6 +495,26 @@ __device__ __forceinline__ uint4 SummaryPiece(const unsigned char* row, int c, i
   }
 }
 
+// One E4M3 head-page's G scores as the CUDA-core kernels have them: each
+// head's chosen bound (its max where q >= 0, else its min) times q, and +inf
+// for a head whose chosen bound is a ±inf code. q: the group's G heads.
+template <typename QT, int D, int G>
+__device__ __noinline__ void ScoresAroundInfCodes(const unsigned char* row, const QT* q, float* score) {
+  for (int x = 0; x < G; ++x) {
+    float sum = 0.f;
+    for (int e = 0; e < D; ++e) {
+      const float qv = ToFloat<QT>(q[x * D + e]);
+      const uint8_t code = row[qv >= 0.f ? D + e : e];
+      if ((code & 0x7F) == 0x7F) {
+        sum = INFINITY;
+        break;
+      }
+      sum = fmaf(qv, __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))), sum);
+    }
+    score[x] = sum;
+  }
+}
+
 template <typename QT, typename SumT, int D, int G>
 __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p, float* scores, RowState* st, int unit) {
   ChainWait();
@@ -515,8 +538,9 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p
     // elements 8t..8t+7 of each piece: min(q, 0) against the min half, max(q, 0)
     // against the max half.
     uint32_t qb[kPieces][4];
+    const QT* q_group = q_all + ((std::size_t)b * H * G + (std::size_t)h * G) * D;
     {
-      const QT* q = q_all + ((std::size_t)b * H * G + (std::size_t)h * G + (g < G ? g : 0)) * D;
+      const QT* q = q_group + (std::size_t)(g < G ? g : 0) * D;
 #pragma unroll
       for (int c = 0; c < kPieces; ++c) {
         const int e0 = c * 32 + t * 8;  // in [min | max]
@@ -570,6 +594,11 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p
         sb[x] = FinishScore<SumT>(__shfl_sync(0xFFFFFFFFu, x % 2 ? c[3] : c[2], src));
       }
       const int i = t == 0 ? ia : ib;
+      if constexpr (kIsE4m3<SumT>) {
+        const bool nan = isnan(c[0]) || isnan(c[1]) || isnan(c[2]) || isnan(c[3]);
+        if (__any_sync(0xFFFFFFFFu, nan) && t < 2 && i < i_end)
+          ScoresAroundInfCodes<QT, D, G>(t == 0 ? ra : rb, q_group, t == 0 ? sa : sb);
+      }
       if (t < 2 && i < i_end) {
         const float agg = StoreScores<G>(s, scores, (long long)first * H + (long long)h * n + i, first, n, h, i,
                                          t == 0 ? sa : sb);
