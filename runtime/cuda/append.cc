@@ -66,7 +66,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
                                int64_t step, bool hold) {
   HostClock clock(n < g_.page_size ? append_prof_ : fill_prof_);
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/sealing_.size() >= kMaxSealsInFlight));
-  MarkStream(kMarkAppend);
+  MarkStream(n < g_.page_size ? kMarkAppend : kMarkFill);
   AppendPlan a;
   a.k = k, a.v = v, a.host_f32 = host_f32, a.hold = hold;
   a.old_tokens = list.tokens, a.end = list.tokens + n;

@@ -191,13 +191,17 @@ struct HostProfile {
 // kernels, the device's waits for the host's next submission included. A
 // span is named by the marks that bound it; spans between other pairs (a
 // prefill's appends back to back) are not counted. Settled at each Sync; no
-// span crosses one.
-enum StreamMark { kMarkAppend, kMarkAfterAppend, kMarkTables, kMarkGraph, kMarkDirect, kMarkReport, kMarkAfterCall };
+// span crosses one. An append of fewer tokens than a page (decode, drafts)
+// and one of a page or more (prefill chunks) start with different marks, so
+// a decode step's appends are not pooled with the prefill's.
+enum StreamMark {
+  kMarkAppend, kMarkAfterAppend, kMarkTables, kMarkGraph, kMarkDirect, kMarkReport, kMarkAfterCall, kMarkFill
+};
 enum StreamSpan { kSpanAppend, kSpanToDecode, kSpanTables, kSpanGraph, kSpanDirect, kSpanReport, kSpanToAppend,
-                  kStreamSpans };
+                  kSpanFill, kStreamSpans };
 constexpr const char* kStreamSpanNames[kStreamSpans] = {
     "append", "until decode", "tables and inputs up", "step graph", "step launched directly", "report",
-    "until next append"};
+    "until next append", "prefill append"};
 struct StreamProfile {
   std::vector<std::pair<int, cudaEvent_t>> marks;  // since the last Sync, in stream order
   std::vector<cudaEvent_t> spare;
@@ -205,6 +209,7 @@ struct StreamProfile {
   // The span from mark `from` to mark `to`; -1 where the pair is not one.
   static int SpanOf(int from, int to) {
     if (from == kMarkAppend && to == kMarkAfterAppend) return kSpanAppend;
+    if (from == kMarkFill && to == kMarkAfterAppend) return kSpanFill;
     if ((from == kMarkAfterAppend || from == kMarkAfterCall) && to == kMarkTables) return kSpanToDecode;
     if (from == kMarkTables && (to == kMarkGraph || to == kMarkDirect)) return kSpanTables;
     if ((from == kMarkGraph || from == kMarkDirect) && to == kMarkReport)
