@@ -557,4 +557,38 @@ cudaError_t LaunchGatherPageIds(const uint32_t* const* src, const int32_t* indpt
 // dst[i] = (To) src[i] for n elements.
 cudaError_t LaunchConvert(const void* src, DType from, void* dst, DType to, std::size_t n, cudaStream_t stream);
 
+// ==== an engine's own paged KV (kernels/cuda/engine.cu) ====
+// Summaries [P][Hkv][2][D] (min, max) of pages[i] rebuilt from its first
+// lens[i] keys of k_cache: [P][S][Hkv][D] when nhd, else [P][Hkv][S][D]; the
+// same dtype (f32, f16, bf16) for both. Arguments are checked by the caller.
+struct SummariesFromCacheParams {
+  DType dtype = DType::kF16;
+  const void* k_cache = nullptr;
+  void* summaries = nullptr;
+  const int32_t* pages = nullptr;  // [n]
+  const int32_t* lens = nullptr;   // [n], 1..S
+  int n = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;
+  bool nhd = true;
+};
+cudaError_t LaunchSummariesFromCache(const SummariesFromCacheParams& p, cudaStream_t stream);
+
+// out[r][j] (r = b * Hkv + h, j < width) = indices[indptr[b] + sel_pages[
+// sel_indptr[r] + j]] for j < sel_count[r], else -1: a select's rows of
+// logical page indices as the engine's page ids.
+struct PaddedPageIdsParams {
+  const int32_t* sel_indptr = nullptr;
+  const int32_t* sel_pages = nullptr;
+  const int32_t* sel_count = nullptr;
+  const int32_t* indptr = nullptr;
+  const int32_t* indices = nullptr;
+  int rows = 0;
+  int kv_heads = 0;
+  int width = 0;
+  int32_t* out = nullptr;
+};
+cudaError_t LaunchPaddedPageIds(const PaddedPageIdsParams& p, cudaStream_t stream);
+
 }  // namespace questkv::kernels::cuda

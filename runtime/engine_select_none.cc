@@ -1,0 +1,14 @@
+// Built without nvcc: runtime/engine_select.h is not available.
+#include "runtime/engine_select.h"
+
+namespace questkv {
+
+namespace {
+Status NoCuda() { return Status::Unimplemented("questkv was built without CUDA (no nvcc when configured)"); }
+}  // namespace
+
+Status DeviceUpdateSummaries(const DeviceSummaryArgs&, void*) { return NoCuda(); }
+Result<int> DeviceSelectWidth(const DeviceSelectArgs&) { return NoCuda(); }
+Status DeviceSelectPages(const DeviceSelectArgs&, int32_t*, int, void*) { return NoCuda(); }
+
+}  // namespace questkv
