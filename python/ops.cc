@@ -20,6 +20,7 @@
 
 #include "kernels/cpu/kernels_cpu.h"
 #include "questkv/runtime.h"
+#include "runtime/engine_select.h"
 #include "selector/select.h"
 
 namespace questkv::torch_ops {
@@ -331,29 +332,104 @@ class RuntimeHolder : public torch::CustomClassHolder {
 
 // ---- the engine owns its paged KV -----------------------------------------------
 
-// k_cache: [P][S][Hkv][D] ("NHD") or [P][Hkv][S][D] ("HND"), float32, CPU.
-// summaries: [P][Hkv][2][D] float32, written for each listed page from its
-// first lens[i] keys (1..S): exact whatever the page held before, so append
-// and rollback alike are one call on the touched pages.
-void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& pages, const Tensor& lens,
-                     const std::string& layout) {
-  TORCH_CHECK(layout == "NHD" || layout == "HND", "layout must be NHD or HND, not ", layout);
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be 4-d, not ", k_cache.sizes());
-  const int64_t P = k_cache.size(0);
-  const int64_t S = layout == "NHD" ? k_cache.size(1) : k_cache.size(2);
-  const int64_t H = layout == "NHD" ? k_cache.size(2) : k_cache.size(1);
-  const int64_t D = k_cache.size(3);
-  CheckHostF32(k_cache, "k_cache", k_cache.sizes().vec());
-  CheckHostF32(summaries, "summaries", {P, H, 2, D});
-  TORCH_CHECK(pages.dim() == 1, "pages must be a vector");
-  CheckIntVector(pages, "pages", pages.size(0));
-  CheckIntVector(lens, "lens", pages.size(0));
+// The dtype of a CUDA tensor the engine path takes (f32, f16, bf16).
+DType DeviceDtype(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    default: TORCH_CHECK(false, name, " must be float32, float16 or bfloat16 on the GPU, not ", t.scalar_type());
+  }
+  return DType::kF32;
+}
+
+// An int32 vector of n entries on the CPU or on `device` (a CUDA engine's
+// page table may live there): its host copy, for the checks.
+Tensor HostInts(const Tensor& t, const char* name, int64_t n, at::Device device) {
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kInt, name, " must be an int32 vector");
+  TORCH_CHECK(t.device().is_cpu() || t.device() == device, name, " must be on the CPU or on ", device);
+  TORCH_CHECK(t.size(0) == n, name, " has ", t.size(0), " entries, expected ", n);
+  return t.cpu().contiguous();
+}
+
+// Every pages[i] in 0..P-1 and lens[i] in 1..S.
+void CheckPagesAndLens(const Tensor& pages, const Tensor& lens, int64_t P, int64_t S) {
   const int32_t* pg = pages.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < pages.size(0); ++i) {
     TORCH_CHECK(pg[i] >= 0 && pg[i] < P, "pages[", i, "] = ", pg[i], " is outside 0..", P - 1);
     TORCH_CHECK(ln[i] >= 1 && ln[i] <= S, "lens[", i, "] = ", ln[i], " is outside 1..", S);
   }
+}
+
+// indptr starts at 0 and grows (every sequence holds a page); every index in
+// 0..P-1.
+void CheckPageTable(const Tensor& indptr, const Tensor& indices, int64_t B, int64_t P) {
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  TORCH_CHECK(ip[0] == 0, "indptr[0] must be 0");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ip[b + 1] > ip[b], "sequence ", b, " holds no page");
+  TORCH_CHECK(indices.size(0) == ip[B], "indices has ", indices.size(0), " entries, expected ", ip[B]);
+  const int32_t* ix = indices.data_ptr<int32_t>();
+  for (int64_t i = 0; i < ip[B]; ++i)
+    TORCH_CHECK(ix[i] >= 0 && ix[i] < P, "indices[", i, "] = ", ix[i], " is outside 0..", P - 1);
+}
+
+SelectionPolicy EnginePolicy(int64_t token_budget, int64_t sink_pages, int64_t local_pages, const std::string& gqa) {
+  SelectionPolicy p;
+  p.token_budget = token_budget;
+  p.sink_pages = int(sink_pages);
+  p.local_pages = int(local_pages);
+  p.gqa = Value(ParseGqaMode(gqa));
+  p.dense_layers.clear();
+  return p;
+}
+
+// k_cache: [P][S][Hkv][D] ("NHD") or [P][Hkv][S][D] ("HND"); summaries:
+// [P][Hkv][2][D], written for each listed page from its first lens[i] keys
+// (1..S): exact whatever the page held before, so append and rollback alike
+// are one call on the touched pages. float32 CPU tensors, or CUDA tensors of
+// one dtype (float32, float16, bfloat16) written on `stream` (the caller's
+// current CUDA stream; pages and lens on the CPU or the GPU).
+void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& pages, const Tensor& lens,
+                     const std::string& layout, int64_t stream) {
+  TORCH_CHECK(layout == "NHD" || layout == "HND", "layout must be NHD or HND, not ", layout);
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be 4-d, not ", k_cache.sizes());
+  const int64_t P = k_cache.size(0);
+  const int64_t S = layout == "NHD" ? k_cache.size(1) : k_cache.size(2);
+  const int64_t H = layout == "NHD" ? k_cache.size(2) : k_cache.size(1);
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(pages.dim() == 1, "pages must be a vector");
+  if (k_cache.is_cuda()) {
+    const DType dt = DeviceDtype(k_cache, "k_cache");
+    CheckDevice(k_cache, "k_cache", k_cache.sizes().vec(), dt);
+    TORCH_CHECK(summaries.device() == k_cache.device(), "summaries must be on ", k_cache.device());
+    CheckDevice(summaries, "summaries", {P, H, 2, D}, dt);
+    const Tensor pg = HostInts(pages, "pages", pages.size(0), k_cache.device());
+    CheckPagesAndLens(pg, HostInts(lens, "lens", pages.size(0), k_cache.device()), P, S);
+    TORCH_CHECK(pages.size(0) * H <= std::numeric_limits<int32_t>::max(), "too many pages in one call");
+    const at::DeviceGuard guard(k_cache.device());
+    const Tensor pages_d = pages.to(k_cache.device()).contiguous(), lens_d = lens.to(k_cache.device()).contiguous();
+    DeviceSummaryArgs a;
+    a.dtype = dt;
+    a.k_cache = k_cache.data_ptr();
+    a.summaries = summaries.data_ptr();
+    a.pages = pages_d.data_ptr<int32_t>();
+    a.lens = lens_d.data_ptr<int32_t>();
+    a.n = int(pages.size(0));
+    a.kv_heads = int(H);
+    a.head_dim = int(D);
+    a.page_size = int(S);
+    a.nhd = layout == "NHD";
+    Check(DeviceUpdateSummaries(a, reinterpret_cast<void*>(stream)));
+    return;
+  }
+  CheckHostF32(k_cache, "k_cache", k_cache.sizes().vec());
+  CheckHostF32(summaries, "summaries", {P, H, 2, D});
+  CheckIntVector(pages, "pages", pages.size(0));
+  CheckIntVector(lens, "lens", pages.size(0));
+  CheckPagesAndLens(pages, lens, P, S);
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  const int32_t* ln = lens.data_ptr<int32_t>();
   const float* kc = k_cache.data_ptr<float>();
   float* sm = summaries.data_ptr<float>();
   std::vector<float> keys(std::size_t(S * D));
@@ -369,6 +445,40 @@ void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& page
   }
 }
 
+// The pages selected on the GPU: q and summaries CUDA tensors of one dtype,
+// the page table on the CPU or the GPU, work on `stream`. Rows are as wide as
+// the most pages a row can hold (kUnion: a bound), padded with -1.
+Tensor SelectPagesCuda(const Tensor& q, const Tensor& summaries, const Tensor& indptr, const Tensor& indices,
+                       const Tensor& last_page_len, const Geometry& g, const SelectionPolicy& policy, int64_t stream) {
+  const int64_t B = q.size(0), P = summaries.size(0);
+  const DType dt = DeviceDtype(q, "q");
+  CheckDevice(q, "q", {B, g.q_heads, g.head_dim}, dt);
+  TORCH_CHECK(summaries.device() == q.device(), "summaries must be on ", q.device());
+  CheckDevice(summaries, "summaries", {P, g.kv_heads, 2, g.head_dim}, dt);
+  const Tensor ip = HostInts(indptr, "indptr", B + 1, q.device());
+  HostInts(last_page_len, "last_page_len", B, q.device());
+  TORCH_CHECK(indices.dim() == 1, "indices must be a vector");
+  CheckPageTable(ip, HostInts(indices, "indices", indices.size(0), q.device()), B, P);
+  Check(g.Validate());
+  Check(policy.Validate(g));
+  const at::DeviceGuard guard(q.device());
+  const Tensor indptr_d = indptr.to(q.device()).contiguous(), indices_d = indices.to(q.device()).contiguous();
+  DeviceSelectArgs a;
+  a.geometry = g;
+  a.policy = policy;
+  a.dtype = dt;
+  a.q = q.data_ptr();
+  a.summaries = summaries.data_ptr();
+  a.indptr = indptr_d.data_ptr<int32_t>();
+  a.indices = indices_d.data_ptr<int32_t>();
+  const int32_t* h_ip = ip.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) a.page_counts.push_back(h_ip[b + 1] - h_ip[b]);
+  const int width = Value(DeviceSelectWidth(a));
+  Tensor out = at::empty({B, g.kv_heads, width}, q.options().dtype(at::kInt));
+  Check(DeviceSelectPages(a, out.data_ptr<int32_t>(), width, reinterpret_cast<void*>(stream)));
+  return out;
+}
+
 // q: [B][Hq][D]; summaries: [P][Hkv][2][D]; indptr [B+1], indices [nnz] (page
 // ids in logical order), last_page_len [B]: FlashInfer's CSR page table.
 // Returns [B][Hkv][K] int32 page ids (from `indices`), each row ascending in
@@ -376,30 +486,23 @@ void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& page
 // same summaries and policy (sink, local window and tail included).
 Tensor SelectPages(const Tensor& q, const Tensor& summaries, const Tensor& indptr, const Tensor& indices,
                    const Tensor& last_page_len, int64_t page_size, int64_t token_budget, int64_t sink_pages,
-                   int64_t local_pages, const std::string& gqa) {
+                   int64_t local_pages, const std::string& gqa, int64_t stream) {
   TORCH_CHECK(q.dim() == 3 && summaries.dim() == 4, "q must be [B, Hq, D] and summaries [P, Hkv, 2, D]");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), P = summaries.size(0), H = summaries.size(1);
+  Geometry g;
+  g.layers = 1, g.q_heads = int(Hq), g.kv_heads = int(H), g.head_dim = int(D), g.page_size = int(page_size);
+  const SelectionPolicy p = EnginePolicy(token_budget, sink_pages, local_pages, gqa);
+  if (q.is_cuda()) return SelectPagesCuda(q, summaries, indptr, indices, last_page_len, g, p, stream);
   CheckHostF32(q, "q", {B, Hq, D});
   CheckHostF32(summaries, "summaries", {P, H, 2, D});
   CheckIntVector(indptr, "indptr", B + 1);
   CheckIntVector(last_page_len, "last_page_len", B);
-  const int32_t* ip = indptr.data_ptr<int32_t>();
-  TORCH_CHECK(ip[0] == 0, "indptr[0] must be 0");
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(ip[b + 1] > ip[b], "sequence ", b, " holds no page");
-  CheckIntVector(indices, "indices", ip[B]);
-  const int32_t* ix = indices.data_ptr<int32_t>();
-  for (int64_t i = 0; i < ip[B]; ++i)
-    TORCH_CHECK(ix[i] >= 0 && ix[i] < P, "indices[", i, "] = ", ix[i], " is outside 0..", P - 1);
-  Geometry g;
-  g.layers = 1, g.q_heads = int(Hq), g.kv_heads = int(H), g.head_dim = int(D), g.page_size = int(page_size);
-  SelectionPolicy p;
-  p.token_budget = token_budget;
-  p.sink_pages = int(sink_pages);
-  p.local_pages = int(local_pages);
-  p.gqa = Value(ParseGqaMode(gqa));
-  p.dense_layers.clear();
+  CheckIntVector(indices, "indices", indices.size(0));
+  CheckPageTable(indptr, indices, B, P);
   Check(g.Validate());
   Check(p.Validate(g));
+  const int32_t* ip = indptr.data_ptr<int32_t>();
+  const int32_t* ix = indices.data_ptr<int32_t>();
   Selector selector(g, p);
   std::vector<uint32_t> ids(ix, ix + ip[B]);
   std::vector<PageSelection> sel(B);
@@ -443,9 +546,9 @@ TORCH_LIBRARY(questkv, m) {
       .def("stats", &RuntimeHolder::Stats)
       .def("synchronize", &RuntimeHolder::Synchronize)
       .def("cuda_stream", &RuntimeHolder::CudaStream);
-  m.def("update_summaries(Tensor k_cache, Tensor(a!) summaries, Tensor pages, Tensor lens, str layout) -> ()",
+  m.def("update_summaries(Tensor k_cache, Tensor(a!) summaries, Tensor pages, Tensor lens, str layout, int stream=0) -> ()",
         &questkv::torch_ops::UpdateSummaries);
   m.def("select_pages(Tensor q, Tensor summaries, Tensor indptr, Tensor indices, Tensor last_page_len, int page_size, "
-        "int token_budget, int sink_pages, int local_pages, str gqa) -> Tensor",
+        "int token_budget, int sink_pages, int local_pages, str gqa, int stream=0) -> Tensor",
         &questkv::torch_ops::SelectPages);
 }

@@ -126,12 +126,19 @@ class Runtime:
         self._rt.synchronize()
 
 
+def _stream_of(t):
+    """The caller's current CUDA stream for a CUDA tensor (0 on the CPU)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
 def update_summaries(k_cache, summaries, pages, lens, layout="NHD"):
     """Rewrites ``summaries [P, kv_heads, 2, head_dim]`` (min, max) of each page
     in ``pages`` from its first ``lens`` keys of ``k_cache`` (``[P, page_size,
     kv_heads, head_dim]`` for NHD, ``[P, kv_heads, page_size, head_dim]`` for
-    HND)."""
-    torch.ops.questkv.update_summaries(k_cache, summaries, pages, lens, layout)
+    HND). float32 CPU tensors, or CUDA tensors of one dtype (float32, float16,
+    bfloat16) written on the current CUDA stream; ``pages`` and ``lens`` are
+    int32 on the CPU or the GPU."""
+    torch.ops.questkv.update_summaries(k_cache, summaries, pages, lens, layout, _stream_of(k_cache))
 
 
 def select_pages(q, summaries, indptr, indices, last_page_len, page_size, token_budget,
@@ -139,6 +146,9 @@ def select_pages(q, summaries, indptr, indices, last_page_len, page_size, token_
     """The pages Quest attends for each (sequence, KV head): ``[B, kv_heads, K]``
     int32 page ids from ``indices``, ascending in logical order, padded with -1.
     ``indptr [B+1]``, ``indices``, ``last_page_len [B]`` are FlashInfer's CSR
-    page table."""
+    page table (int32, on the CPU or with CUDA tensors on the GPU). float32 CPU
+    tensors select on the CPU; CUDA ``q`` and ``summaries`` of one dtype select
+    on the GPU on the current stream (GQA groups of 1, 2, 4 or 8), with K the
+    most pages a row can hold. The page table is read on the host to check it."""
     return torch.ops.questkv.select_pages(q, summaries, indptr, indices, last_page_len, page_size,
-                                          token_budget, sink_pages, local_pages, gqa)
+                                          token_budget, sink_pages, local_pages, gqa, _stream_of(q))

@@ -460,5 +460,89 @@ class DeviceTensors(unittest.TestCase):
             cpu.append(cs, 1, torch.randn(2, HKV, D).cuda(), torch.randn(2, HKV, D).cuda())
 
 
+@unittest.skipUnless(torch.cuda.is_available(), "no CUDA device")
+class EngineOwnedOpsOnCuda(unittest.TestCase):
+    """update_summaries and select_pages on an engine's CUDA tensors against
+    the same ops on float32 CPU copies of the same values: equal summaries and
+    equal page ids (the CUDA select scores as the CPU selector does)."""
+    HKV, HQ, D, S = 2, 8, 64, 16
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+    def setUp(self):
+        self.g = torch.Generator().manual_seed(21)
+        try:  # a one-page call: Unimplemented where questkv was built without CUDA
+            questkv.update_summaries(torch.zeros(1, self.S, self.HKV, self.D, device="cuda"),
+                                     torch.zeros(1, self.HKV, 2, self.D, device="cuda"),
+                                     torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+        except RuntimeError as e:
+            if "without CUDA" in str(e):
+                self.skipTest("questkv built without CUDA")
+            raise
+
+    def test_summaries_equal_the_cpu_ops(self):
+        P = 9
+        pages = torch.tensor([0, 3, 8, 5], dtype=torch.int32)
+        lens = torch.tensor([self.S, 1, 7, self.S], dtype=torch.int32)
+        for dt in self.DTYPES:
+            k_nhd = torch.randn(P, self.S, self.HKV, self.D, generator=self.g).to(dt)
+            for layout, kc in (("NHD", k_nhd), ("HND", k_nhd.permute(0, 2, 1, 3).contiguous())):
+                for table_device in ("cpu", "cuda"):
+                    want = torch.full((P, self.HKV, 2, self.D), 7.0)
+                    questkv.update_summaries(kc.float(), want, pages, lens, layout)
+                    got = torch.full((P, self.HKV, 2, self.D), 7.0, dtype=dt, device="cuda")
+                    questkv.update_summaries(kc.cuda(), got, pages.to(table_device), lens.to(table_device), layout)
+                    self.assertTrue(torch.equal(got.float().cpu(), want), (dt, layout, table_device))
+
+    def test_select_pages_equal_the_cpu_ops_on_a_side_stream(self):
+        tokens = [700, 90, 1500, 33]
+        npages = [(t + self.S - 1) // self.S for t in tokens]
+        P = sum(npages) + 5
+        indptr = torch.tensor([0] + list(torch.tensor(npages).cumsum(0)), dtype=torch.int32)
+        last = torch.tensor([t - (n - 1) * self.S for t, n in zip(tokens, npages)], dtype=torch.int32)
+        side = torch.cuda.Stream()
+        for dt in self.DTYPES:
+            for gqa in ("max", "mean", "union"):
+                perm = torch.randperm(P, generator=self.g)[:sum(npages)].to(torch.int32)
+                summ = torch.randn(P, self.HKV, 2, self.D, generator=self.g).to(dt).sort(dim=2).values
+                q = torch.randn(len(tokens), self.HQ, self.D, generator=self.g).to(dt)
+                want = questkv.select_pages(q.float(), summ.float(), indptr, perm, last, self.S, 8 * self.S, 1, 2, gqa)
+                with torch.cuda.stream(side):
+                    got = questkv.select_pages(q.cuda(), summ.cuda(), indptr.cuda(), perm.cuda(), last, self.S,
+                                               8 * self.S, 1, 2, gqa)
+                side.synchronize()
+                self.assertEqual((got.dtype, got.device.type), (torch.int32, "cuda"))
+                got = got.cpu()
+                for b in range(len(tokens)):
+                    for h in range(self.HKV):
+                        row = [x for x in want[b, h].tolist() if x >= 0]
+                        self.assertEqual(got[b, h, :len(row)].tolist(), row, (dt, gqa, b, h))
+                        self.assertTrue(all(x == -1 for x in got[b, h, len(row):].tolist()), (dt, gqa, b, h))
+
+    def test_bad_inputs_are_errors_that_change_nothing(self):
+        P = 4
+        summ = torch.randn(P, self.HKV, 2, self.D, device="cuda").half()
+        before = summ.clone()
+        q = torch.randn(1, self.HQ, self.D, device="cuda").half()
+        ip, ix, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2], [0, 1], [3]))
+        kc = torch.randn(P, self.S, self.HKV, self.D, device="cuda").half()
+        one = torch.tensor([0], dtype=torch.int32)
+        cases = [
+            (lambda: questkv.select_pages(q, summ.float(), ip, ix, last, self.S, 128), "must be"),
+            (lambda: questkv.select_pages(q, summ.cpu(), ip, ix, last, self.S, 128), "summaries must be on"),
+            (lambda: questkv.select_pages(q, summ, ip, torch.tensor([0, 9], dtype=torch.int32), last, self.S, 128),
+             "outside"),
+            (lambda: questkv.select_pages(q.double(), summ, ip, ix, last, self.S, 128), "float32, float16 or"),
+            (lambda: questkv.update_summaries(kc, summ, one, torch.tensor([self.S + 1], dtype=torch.int32)),
+             "outside 1.."),
+            (lambda: questkv.update_summaries(kc, summ.bfloat16(), one, one), "must be"),
+            (lambda: questkv.update_summaries(kc, summ, torch.tensor([P], dtype=torch.int32), one), "outside 0.."),
+        ]
+        for call, words in cases:
+            with self.assertRaises(RuntimeError) as cm:
+                call()
+            self.assertIn(words, str(cm.exception))
+        self.assertTrue(torch.equal(summ, before))
+
+
 if __name__ == "__main__":
     unittest.main()
