@@ -450,7 +450,7 @@ inline LaneGrid LaneGridFor(const SelectPlan& plan, const SelectShape& s) {
 // product then has NaN where the twin, which multiplies only the chosen
 // bound, may not (the other half's zero query times NaN): a tile with a NaN
 // score (rare: a key past ±448, or an empty box) scores its pages again on
-// the CUDA cores (ScoresAroundInfCodes). kMax / kMean then aggregate each
+// the CUDA cores (ScoreHeadPageCold). kMax / kMean then aggregate each
 // page's G scores in the CPU's order (StoreScores).
 template <typename QT, typename SumT>
 constexpr bool kMmaScores =
@@ -495,24 +495,12 @@ __device__ __forceinline__ uint4 SummaryPiece(const unsigned char* row, int c, i
   }
 }
 
-// One E4M3 head-page's G scores as the CUDA-core kernels have them: each
-// head's chosen bound (its max where q >= 0, else its min) times q, and +inf
-// for a head whose chosen bound is a ±inf code. q: the group's G heads.
-template <typename QT, int D, int G>
-__device__ __noinline__ void ScoresAroundInfCodes(const unsigned char* row, const QT* q, float* score) {
-  for (int x = 0; x < G; ++x) {
-    float sum = 0.f;
-    for (int e = 0; e < D; ++e) {
-      const float qv = ToFloat<QT>(q[x * D + e]);
-      const uint8_t code = row[qv >= 0.f ? D + e : e];
-      if ((code & 0x7F) == 0x7F) {
-        sum = INFINITY;
-        break;
-      }
-      sum = fmaf(qv, __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3))), sum);
-    }
-    score[x] = sum;
-  }
+// A head-page's G scores as the CUDA-core kernels have them (ScoreHeadPage:
+// the CPU twin's terms and order; a chosen ±inf code makes a score +inf),
+// out of line: the rare tile with a NaN score pays for its registers.
+template <typename QT, typename SumT, int D, int G>
+__device__ __noinline__ void ScoreHeadPageCold(const unsigned char* row, const QT* q, float* score) {
+  ScoreHeadPage<QT, SumT, D, G>(reinterpret_cast<const SumT*>(row), q, score);
 }
 
 template <typename QT, typename SumT, int D, int G>
@@ -597,7 +585,7 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p
       if constexpr (kIsE4m3<SumT>) {
         const bool nan = isnan(c[0]) || isnan(c[1]) || isnan(c[2]) || isnan(c[3]);
         if (__any_sync(0xFFFFFFFFu, nan) && t < 2 && i < i_end)
-          ScoresAroundInfCodes<QT, D, G>(t == 0 ? ra : rb, q_group, t == 0 ? sa : sb);
+          ScoreHeadPageCold<QT, SumT, D, G>(t == 0 ? ra : rb, q_group, t == 0 ? sa : sb);
       }
       if (t < 2 && i < i_end) {
         const float agg = StoreScores<G>(s, scores, (long long)first * H + (long long)h * n + i, first, n, h, i,
