@@ -53,12 +53,6 @@ void CheckDevice(const Tensor& t, const char* name, std::vector<int64_t> shape, 
   TORCH_CHECK(t.sizes().vec() == shape, name, " has shape ", t.sizes(), ", expected ", at::IntArrayRef(shape));
 }
 
-void CheckIntVector(const Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kInt && t.device().is_cpu() && t.is_contiguous(), name,
-              " must be a contiguous CPU int32 vector");
-  TORCH_CHECK(t.size(0) == n, name, " has ", t.size(0), " entries, expected ", n);
-}
-
 double Real(const c10::Dict<std::string, std::string>& d, const std::string& key, double fallback) {
   if (!d.contains(key)) return fallback;
   const std::string v = d.at(key);
@@ -344,10 +338,12 @@ DType DeviceDtype(const Tensor& t, const char* name) {
 }
 
 // An int32 vector of n entries on the CPU or on `device` (a CUDA engine's
-// page table may live there): its host copy, for the checks.
-Tensor HostInts(const Tensor& t, const char* name, int64_t n, at::Device device) {
+// page table may live there), as a contiguous host tensor (a copy where it
+// is not one): what the checks and the host path read.
+Tensor HostInts(const Tensor& t, const char* name, int64_t n, at::Device device = at::kCPU) {
   TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kInt, name, " must be an int32 vector");
-  TORCH_CHECK(t.device().is_cpu() || t.device() == device, name, " must be on the CPU or on ", device);
+  TORCH_CHECK(t.device().is_cpu() || t.device() == device, name, " must be on the CPU",
+              device.is_cpu() ? std::string() : " or on " + device.str());
   TORCH_CHECK(t.size(0) == n, name, " has ", t.size(0), " entries, expected ", n);
   return t.cpu().contiguous();
 }
@@ -425,11 +421,10 @@ void UpdateSummaries(const Tensor& k_cache, Tensor summaries, const Tensor& page
   }
   CheckHostF32(k_cache, "k_cache", k_cache.sizes().vec());
   CheckHostF32(summaries, "summaries", {P, H, 2, D});
-  CheckIntVector(pages, "pages", pages.size(0));
-  CheckIntVector(lens, "lens", pages.size(0));
-  CheckPagesAndLens(pages, lens, P, S);
-  const int32_t* pg = pages.data_ptr<int32_t>();
-  const int32_t* ln = lens.data_ptr<int32_t>();
+  const Tensor pages_h = HostInts(pages, "pages", pages.size(0)), lens_h = HostInts(lens, "lens", pages.size(0));
+  CheckPagesAndLens(pages_h, lens_h, P, S);
+  const int32_t* pg = pages_h.data_ptr<int32_t>();
+  const int32_t* ln = lens_h.data_ptr<int32_t>();
   const float* kc = k_cache.data_ptr<float>();
   float* sm = summaries.data_ptr<float>();
   std::vector<float> keys(std::size_t(S * D));
@@ -473,9 +468,14 @@ Tensor SelectPagesCuda(const Tensor& q, const Tensor& summaries, const Tensor& i
   a.indices = indices_d.data_ptr<int32_t>();
   const int32_t* h_ip = ip.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) a.page_counts.push_back(h_ip[b + 1] - h_ip[b]);
-  const int width = Value(DeviceSelectWidth(a));
-  Tensor out = at::empty({B, g.kv_heads, width}, q.options().dtype(at::kInt));
-  Check(DeviceSelectPages(a, out.data_ptr<int32_t>(), width, reinterpret_cast<void*>(stream)));
+  Tensor out;
+  Check(DeviceSelectPages(
+      a,
+      [&](int width) {
+        out = at::empty({B, g.kv_heads, width}, q.options().dtype(at::kInt));
+        return out.data_ptr<int32_t>();
+      },
+      reinterpret_cast<void*>(stream)));
   return out;
 }
 
@@ -495,14 +495,13 @@ Tensor SelectPages(const Tensor& q, const Tensor& summaries, const Tensor& indpt
   if (q.is_cuda()) return SelectPagesCuda(q, summaries, indptr, indices, last_page_len, g, p, stream);
   CheckHostF32(q, "q", {B, Hq, D});
   CheckHostF32(summaries, "summaries", {P, H, 2, D});
-  CheckIntVector(indptr, "indptr", B + 1);
-  CheckIntVector(last_page_len, "last_page_len", B);
-  CheckIntVector(indices, "indices", indices.size(0));
-  CheckPageTable(indptr, indices, B, P);
+  const Tensor indptr_h = HostInts(indptr, "indptr", B + 1), indices_h = HostInts(indices, "indices", indices.size(0));
+  HostInts(last_page_len, "last_page_len", B);
+  CheckPageTable(indptr_h, indices_h, B, P);
   Check(g.Validate());
   Check(p.Validate(g));
-  const int32_t* ip = indptr.data_ptr<int32_t>();
-  const int32_t* ix = indices.data_ptr<int32_t>();
+  const int32_t* ip = indptr_h.data_ptr<int32_t>();
+  const int32_t* ix = indices_h.data_ptr<int32_t>();
   Selector selector(g, p);
   std::vector<uint32_t> ids(ix, ix + ip[B]);
   std::vector<PageSelection> sel(B);

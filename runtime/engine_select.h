@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "questkv/status.h"
@@ -43,10 +44,9 @@ struct DeviceSelectArgs {
   const int32_t* indices = nullptr;  // [indptr[B]] on the device: page ids in logical order
   std::vector<int32_t> page_counts;  // [B] on the host: indptr[b + 1] - indptr[b], each >= 1
 };
-// The pages a row can hold at most: the width DeviceSelectPages writes.
-Result<int> DeviceSelectWidth(const DeviceSelectArgs& a);
-// out[B][Hkv][width]: each row's page ids ascending in logical order, padded
-// with -1 (width from DeviceSelectWidth).
-Status DeviceSelectPages(const DeviceSelectArgs& a, int32_t* out, int width, void* stream);
+// Each row's page ids ascending in logical order, padded with -1, into
+// out[B][Hkv][width]: width is the most pages a row can hold (kUnion: a
+// bound), and `out(width)` gives that device memory (the caller's tensor).
+Status DeviceSelectPages(const DeviceSelectArgs& a, const std::function<int32_t*(int width)>& out, void* stream);
 
 }  // namespace questkv

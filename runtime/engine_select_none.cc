@@ -8,7 +8,6 @@ Status NoCuda() { return Status::Unimplemented("questkv was built without CUDA (
 }  // namespace
 
 Status DeviceUpdateSummaries(const DeviceSummaryArgs&, void*) { return NoCuda(); }
-Result<int> DeviceSelectWidth(const DeviceSelectArgs&) { return NoCuda(); }
-Status DeviceSelectPages(const DeviceSelectArgs&, int32_t*, int, void*) { return NoCuda(); }
+Status DeviceSelectPages(const DeviceSelectArgs&, const std::function<int32_t*(int)>&, void*) { return NoCuda(); }
 
 }  // namespace questkv

@@ -96,19 +96,11 @@ Status DeviceUpdateSummaries(const DeviceSummaryArgs& a, void* stream) {
   return Status::Ok();
 }
 
-Result<int> DeviceSelectWidth(const DeviceSelectArgs& a) {
+Status DeviceSelectPages(const DeviceSelectArgs& a, const std::function<int32_t*(int width)>& out, void* stream) {
   QKV_ASSIGN_OR_RETURN(Planned pl, Plan(a));
   const std::vector<int32_t>& ip = pl.plan.out_indptr;
   int width = 1;
   for (std::size_t r = 0; r + 1 < ip.size(); ++r) width = std::max(width, ip[r + 1] - ip[r]);
-  return width;
-}
-
-Status DeviceSelectPages(const DeviceSelectArgs& a, int32_t* out, int width, void* stream) {
-  QKV_ASSIGN_OR_RETURN(Planned pl, Plan(a));
-  const std::vector<int32_t>& ip = pl.plan.out_indptr;
-  for (std::size_t r = 0; r + 1 < ip.size(); ++r)
-    if (ip[r + 1] - ip[r] > width) return Status::InvalidArgument("width below DeviceSelectWidth's");
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int rows = pl.shape.batch * pl.shape.kv_heads;
   StreamBuffers buf(s);
@@ -140,7 +132,7 @@ Status DeviceSelectPages(const DeviceSelectArgs& a, int32_t* out, int width, voi
   pp.rows = rows;
   pp.kv_heads = pl.shape.kv_heads;
   pp.width = width;
-  pp.out = out;
+  pp.out = out(width);
   QKV_CUDA(kc::LaunchPaddedPageIds(pp, s));
   return Status::Ok();
 }
