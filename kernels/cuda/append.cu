@@ -36,15 +36,16 @@ __global__ void AppendKernel(AppendParams p) {
   const int b = blockIdx.z;
   const int S = p.page_size;
   const int D = p.head_dim;
-  const int row0 = p.append_indptr[b];
-  const int n = p.append_indptr[b + 1] - row0;
+  const bool inline_header = p.append_indptr == nullptr;
+  const int row0 = inline_header ? 0 : p.append_indptr[b];
+  const int n = inline_header ? p.max_new_tokens : p.append_indptr[b + 1] - row0;
   if (n <= 0) return;
-  const int pos = p.start_pos[b];
+  const int pos = inline_header ? p.start : p.start_pos[b];
   const int lp = pos / S + j;
   const int t0 = max(pos, lp * S);
   const int t1 = min(pos + n, (lp + 1) * S);
   if (t0 >= t1) return;
-  const uint32_t page = p.page_ids[p.page_indptr[b] + lp];
+  const uint32_t page = p.page_ids[(inline_header ? 0 : p.page_indptr[b]) + lp];
   const long long slot = p.hbm_slot[std::size_t(page) * p.kv_heads + h];
   KvT* k_rows = static_cast<KvT*>(p.slots) + slot * 2 * S * D;
   KvT* v_rows = k_rows + std::size_t(S) * D;
@@ -98,6 +99,8 @@ cudaError_t LaunchAppend(const AppendParams& p, cudaStream_t stream) {
   if (p.batch < 0 || p.kv_heads <= 0 || p.page_size <= 0 || p.head_dim <= 0 || p.kv_heads > 65535 ||
       p.batch > 65535)
     return Unsupported("append batch/kv_heads", p.batch, "1..65535 each");
+  if (!p.append_indptr && (p.batch != 1 || p.start < 0 || p.max_new_tokens < 0))
+    return Unsupported("append with its header in the launch: batch", p.batch, "1, and start, rows >= 0");
   // A run of n tokens starting anywhere touches at most n / S + 2 pages.
   const dim3 grid(p.max_new_tokens / p.page_size + 2, p.kv_heads, p.batch);
   const int threads = p.head_dim < 256 ? p.head_dim : 256;

@@ -86,6 +86,11 @@ struct AppendParams {
   const int32_t* append_indptr = nullptr;  // [batch + 1] rows of k/v per sequence, first 0
   const int32_t* start_pos = nullptr;      // [batch] token position of the first new token
   const int32_t* page_indptr = nullptr;    // [batch + 1] page table CSR, first 0
+  // One sequence whose header rides in the launch (append_indptr null, batch
+  // 1): max_new_tokens rows from token position `start`, its pages page_ids[0..].
+  // The kernel then reads no header from memory: a staged one sits in host
+  // memory, and its reads cross PCIe before any K/V moves.
+  int32_t start = 0;
   const uint32_t* page_ids = nullptr;      // [page_indptr[batch]] PageIds in logical order
   const int32_t* hbm_slot = nullptr;       // [PageId][Hkv]
   const void* k = nullptr;                 // [append_indptr[batch]][Hkv][D]
@@ -547,6 +552,12 @@ struct BlockSlotsParams {
   int32_t* out_count = nullptr;            // [rows]
 };
 cudaError_t LaunchBlockSlots(const BlockSlotsParams& p, cudaStream_t stream);
+
+// dst[0, n) = src[0, n) (host memory), the values carried in the launch's
+// parameters (n <= kLaunchInts): a step's header up without a copy-engine
+// transfer, whose engine switches cost a step more than its bytes do.
+constexpr int kLaunchInts = 1000;  // 4 KB of kernel parameters, less dst and n
+cudaError_t LaunchWriteInts(int32_t* dst, const int32_t* src, int n, cudaStream_t stream);
 
 // A batch's page tables side by side: dst[indptr[b] + i] = src[b][i] for i
 // below indptr[b + 1] - indptr[b]. One kernel, not a copy (a graph node) per

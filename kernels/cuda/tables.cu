@@ -4,6 +4,8 @@
 // the mirror of the resolve gather), the step report (what the host reads of
 // a step, one call later), a batch's page tables gathered, and dtype
 // conversion of host-API inputs and outputs.
+#include <cstring>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
@@ -118,6 +120,24 @@ int GridFor(std::size_t work) {
   return int(blocks < 1024 ? (blocks ? blocks : 1) : 1024);
 }
 
+template <int N>
+struct LaunchedInts {
+  int32_t v[N];
+};
+
+template <int N>
+__global__ void WriteIntsKernel(int32_t* __restrict__ dst, int n, const LaunchedInts<N> src) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src.v[i];
+}
+
+template <int N>
+cudaError_t WriteInts(int32_t* dst, const int32_t* src, int n, cudaStream_t stream) {
+  LaunchedInts<N> a{};
+  std::memcpy(a.v, src, std::size_t(n) * 4);
+  WriteIntsKernel<N><<<1, kThreads, 0, stream>>>(dst, n, a);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t LaunchTableUpdates(const TableUpdate* updates, int n, const DeviceTables& tables,
@@ -151,6 +171,15 @@ cudaError_t LaunchStepReport(const StepReportParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   StepReportKernel<<<p.rows + 1, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+cudaError_t LaunchWriteInts(int32_t* dst, const int32_t* src, int n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  if (!dst || !src || n > kLaunchInts) return cudaErrorInvalidValue;
+  // The smallest parameter block that holds them: a launch copies all of it.
+  if (n <= 64) return WriteInts<64>(dst, src, n, stream);
+  if (n <= 256) return WriteInts<256>(dst, src, n, stream);
+  return WriteInts<kLaunchInts>(dst, src, n, stream);
 }
 
 cudaError_t LaunchGatherPageIds(const uint32_t* const* src, const int32_t* indptr, int batch, uint32_t* dst,

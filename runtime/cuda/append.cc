@@ -25,21 +25,17 @@ Status CudaBackendImpl::ConvertIn(const void* host_f32, std::size_t elems, DevBu
 
 // Tokens [t0, t1) of the list's token positions, K/V rows at k, v (device,
 // model dtype); every page they touch already has its slots.
-Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
-                                          const void* v) {
-  // Flush first: a later StageAlloc may recycle the stage once synchronised.
+Status CudaBackendImpl::LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, const void* k, const void* v) {
+  // The kernel reads the pages' slots: their table updates go first.
   QKV_RETURN_IF_ERROR(FlushUpdates());
-  const int32_t hdr[5] = {0, int32_t(t1 - t0), int32_t(t0), 0, int32_t(total_pages)};
-  auto* st = static_cast<int32_t*>(StageAlloc(sizeof(hdr)));
-  if (!st) return Status::ResourceExhausted("pinned staging");
-  std::memcpy(st, hdr, sizeof(hdr));
-  return LaunchAppendOne(static_cast<const int32_t*>(StageDev(st)), P.pages.as<uint32_t>(), int(t1 - t0), k, v);
+  return LaunchAppendOne(nullptr, int32_t(t0), P.pages.as<uint32_t>(), int(t1 - t0), k, v);
 }
 
-// The append kernel for one sequence: hdr (device) {0, n, first token's
-// position, 0, pages}, its pages' ids, n rows of K and V.
-Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page_ids, int n, const void* k,
-                                        const void* v) {
+// The append kernel for one sequence: n rows of K and V from token position
+// `start` into the pages page_ids; hdr (device) {0, n, start, 0, pages} or,
+// null, the same carried in the launch.
+Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, int32_t start, const uint32_t* page_ids, int n,
+                                        const void* k, const void* v) {
   kc::AppendParams p;
   p.kv_dtype = g_.dtype;
   p.summary_dtype = sum_dtype();
@@ -49,9 +45,12 @@ Status CudaBackendImpl::LaunchAppendOne(const int32_t* hdr, const uint32_t* page
   p.page_size = g_.page_size;
   p.head_dim = g_.head_dim;
   p.max_new_tokens = n;
-  p.append_indptr = hdr;
-  p.start_pos = hdr + 2;
-  p.page_indptr = hdr + 3;
+  if (hdr) {
+    p.append_indptr = hdr;
+    p.start_pos = hdr + 2;
+    p.page_indptr = hdr + 3;
+  }
+  p.start = start;
   p.page_ids = page_ids;
   p.hbm_slot = hbm_slot_.as<int32_t>();
   p.k = k;
@@ -225,7 +224,7 @@ Status CudaBackendImpl::AppendToOldTail(uint32_t part, AppendPlan& a) {
   const int64_t t1 = std::min(a.end, (a.old_tokens / S + 1) * S);
   const void *kd, *vd;
   QKV_RETURN_IF_ERROR(AppendRows(a, a.t, t1, &kd, &vd));
-  QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, a.total_pages, kd, vd));
+  QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, kd, vd));
   QKV_RETURN_IF_ERROR(SealThrough(P, a, t1 / S - 1, 0));
   if (a.hold && t1 % S == 0) {  // the filled tail keeps its slots, held; the tail takes fresh ones
     const PageId page = P.tail_page;
@@ -272,7 +271,7 @@ Status CudaBackendImpl::AppendFreshPages(uint32_t part, AppendPlan& a) {
     const int64_t t1 = std::min(a.end, p1 * S);
     const void *kd, *vd;
     QKV_RETURN_IF_ERROR(AppendRows(a, a.t, t1, &kd, &vd));
-    QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, a.total_pages, kd, vd));
+    QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, kd, vd));
     QKV_RETURN_IF_ERROR(SealThrough(P, a, p1 - 1, p0));
     // Staged pages leave the staging slots (their homes hold them now).
     for (PageId id : chunk)
@@ -411,7 +410,7 @@ Status CudaBackendImpl::TruncateTail(uint32_t part, PageId tail, int len) {
   const int32_t* d = static_cast<const int32_t*>(StageDev(st));
   const uint32_t* ids = reinterpret_cast<const uint32_t*>(d + 5);
   QKV_CUDA(kc::LaunchResetSummaries(summaries_.as(), sum_dtype(), ids, 1, H, g_.head_dim, stream_));
-  return LaunchAppendOne(d, ids, len, kv_in_.as(), v_in_.as());
+  return LaunchAppendOne(d, 0, ids, len, kv_in_.as(), v_in_.as());
 }
 
 Status CudaBackendImpl::ReadUnsealed(uint32_t part, PageId page, void* dst) {

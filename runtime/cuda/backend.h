@@ -559,9 +559,9 @@ class CudaBackendImpl final : public DataPlane {
   std::vector<int32_t> TakePinnedSlots(const PageId* page);
   Status AssignTail(uint32_t part, PageId page);
   Status RebuildSummary(const void* k_heads_host, PageId page, int len);
-  Status LaunchAppendOne(const int32_t* hdr, const uint32_t* page_ids, int n, const void* k, const void* v);
-  Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, int64_t total_pages, const void* k,
-                           const void* v);
+  Status LaunchAppendOne(const int32_t* hdr, int32_t start, const uint32_t* page_ids, int n, const void* k,
+                         const void* v);
+  Status LaunchAppendRange(Partition& P, int64_t t0, int64_t t1, const void* k, const void* v);
   Status ConvertIn(const void* host_f32, std::size_t elems, DevBuf& f32, DevBuf& out, const void** dev);
   // What one append's functions share.
   struct AppendPlan {
@@ -638,6 +638,8 @@ class CudaBackendImpl final : public DataPlane {
       res_count_, queues_, sel_ws_, res_ws_, att_ws_, cand_pages_, cand_count_, rerank_ws_, usel_pages_, usel_count_,
       shared_pages_, shared_count_, list_pages_, qpad_, opad_;
   std::size_t att_ws_zeroed_ = 0;  // bytes at the start of att_ws_ known zero (the attention's counters)
+  // What header_ holds once the stream's queued writes land (empty: unknown).
+  std::vector<int32_t> header_held_;
 
   // Pinned, mapped staging (uploads, table edits, seal jobs), reset by Sync.
   char* stage_ = nullptr;

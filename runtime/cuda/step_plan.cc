@@ -98,7 +98,10 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   QKV_RETURN_IF_ERROR(PlanResolveAndAttend(s, p));
   QKV_RETURN_IF_ERROR(ReserveStepBuffers(s, p));
   PackHeader(s, p);
-  QKV_RETURN_IF_ERROR(header_.Grow(p.hdr.size() * 4));
+  if (const std::size_t had = header_.bytes(); p.hdr.size() * 4 > had) {
+    header_held_.clear();  // a new block: its bytes are unknown
+    QKV_RETURN_IF_ERROR(header_.Grow(p.hdr.size() * 4));
+  }
   p.d_hdr = header_.as<int32_t>();
   p.clock.Mark(kBuffers);  // and the resolve/attend plans, the header, pinned io
   MarkStream(kMarkTables);

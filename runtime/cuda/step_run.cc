@@ -211,10 +211,20 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
   return Status::Ok();
 }
 
-// Inputs up, then the step: replayed from its graph, or launched directly
-// when it waits for the host or is timed.
+// Inputs up (a header only when it changed, and without a copy when it fits
+// in a launch's parameters), then the step: replayed from its graph, or
+// launched directly when it waits for the host or is timed.
 Status CudaBackendImpl::Launch(const StepArgs& s, StepPlan& p) {
-  QKV_RETURN_IF_ERROR(Upload(header_.as(), p.hdr.data(), p.hdr.size() * 4));
+  // A header the device holds already goes up again only when it changed:
+  // one sequence's page counts and lengths are most often the layer before's.
+  if (p.hdr != header_held_) {
+    header_held_.clear();
+    if (p.hdr.size() <= std::size_t(kc::kLaunchInts))
+      QKV_CUDA(kc::LaunchWriteInts(header_.as<int32_t>(), p.hdr.data(), int(p.hdr.size()), stream_));
+    else
+      QKV_RETURN_IF_ERROR(Upload(header_.as(), p.hdr.data(), p.hdr.size() * 4));
+    header_held_ = p.hdr;
+  }
   if (s.host_f32) QKV_RETURN_IF_ERROR(Upload(q_f32_.as(), s.q, p.qelems * 4));
   if (!c_.cuda_graphs || p.cold_waits || p.timed) {
     MarkStream(kMarkDirect);

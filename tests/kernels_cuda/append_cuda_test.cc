@@ -121,9 +121,13 @@ TEST_P(AppendCudaTest, MatchesCpuTwinBitForBit) {
     p.page_size = S;
     p.head_dim = D;
     p.max_new_tokens = max_new;
-    p.append_indptr = d_aind.as<int32_t>();
-    p.start_pos = d_start.as<int32_t>();
-    p.page_indptr = d_indptr.as<int32_t>();
+    if (B == 1 && call == 1) {  // a decode token's header in the launch, none in memory
+      p.start = start[0];
+    } else {
+      p.append_indptr = d_aind.as<int32_t>();
+      p.start_pos = d_start.as<int32_t>();
+      p.page_indptr = d_indptr.as<int32_t>();
+    }
     p.page_ids = d_ids.as<uint32_t>();
     p.hbm_slot = d_slot.as<int32_t>();
     p.k = d_k.get();
@@ -213,20 +217,37 @@ TEST(AppendCudaResetTest, EmptyBoxE4m3) {
   EXPECT_EQ(Download<uint8_t>(d_summ, codes.size()), codes);
 }
 
-// E4M3 is a summary dtype only: K/V in it are refused before any launch
-// (no GPU needed).
-TEST(AppendCudaRejectTest, E4m3KeysAndValues) {
+// One token of one KV head, its header in the launch.
+AppendParams OneToken(int batch) {
   AppendParams p;
-  p.kv_dtype = DType::kE4M3;
-  p.summary_dtype = DType::kE4M3;
-  p.batch = 1;
+  p.batch = batch;
   p.kv_heads = 1;
   p.page_size = 16;
   p.head_dim = 128;
   p.max_new_tokens = 1;
+  return p;
+}
+
+// E4M3 is a summary dtype only: K/V in it are refused before any launch
+// (no GPU needed).
+TEST(AppendCudaRejectTest, E4m3KeysAndValues) {
+  AppendParams p = OneToken(1);
+  p.kv_dtype = DType::kE4M3;
+  p.summary_dtype = DType::kE4M3;
   EXPECT_EQ(LaunchAppend(p, nullptr), cudaErrorInvalidValue);
   EXPECT_NE(LastErrorMessage().find("unsupported dtype = 3 (supported: f32, f16, bf16)"), std::string::npos)
       << LastErrorMessage();
+}
+
+// A header in the launch describes one sequence: a batch of two is refused
+// before any launch (no GPU needed).
+TEST(AppendCudaRejectTest, LaunchHeaderOfSeveralSequences) {
+  AppendParams p = OneToken(2);
+  EXPECT_EQ(LaunchAppend(p, nullptr), cudaErrorInvalidValue);
+  EXPECT_NE(LastErrorMessage().find("header in the launch"), std::string::npos) << LastErrorMessage();
+  p.batch = 1;
+  p.start = -1;
+  EXPECT_EQ(LaunchAppend(p, nullptr), cudaErrorInvalidValue);
 }
 
 }  // namespace
