@@ -88,7 +88,7 @@ case ${1:-} in
   run)
     build_pkg "${2:-.device/torch/libs.tar.xz}"
     # The CPU-backend tests first: a crash in the CUDA ones then says which.
-    tests="tests.python.test_ops.EngineOwnedOps tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors"
+    tests="tests.python.test_ops.EngineOwnedOps tests.python.test_ops.OwnedCache tests.python.test_ops.DeviceTensors tests.python.test_ops.EngineOwnedOpsOnCuda"
     status=0
     PYTHONPATH=$work/pkg python3 -X faulthandler -m unittest -v $tests >"$OUT/torch-ops.log" 2>&1 || status=$?
     tail -25 "$OUT/torch-ops.log"
