@@ -194,6 +194,8 @@ Status CudaBackendImpl::Upload(void* dev_dst, const void* src, std::size_t bytes
 }
 
 Status CudaBackendImpl::FlushUpdates() {
+  // Most calls have none: an empty index's clear() still sweeps its buckets.
+  if (clears_.empty() && sets_.empty() && set_index_.empty()) return Status::Ok();
   const kc::DeviceTables t{hbm_slot_.as<int32_t>(), slot_page_.as<uint32_t>(), slot_head_.as<int32_t>(),
                            slot_last_use_.as<int64_t>(), slot_pinned_.as<uint8_t>(), g_.kv_heads};
   for (std::vector<kc::TableUpdate>* ops : {&clears_, &sets_}) {
