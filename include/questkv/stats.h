@@ -16,7 +16,9 @@ struct AttendStats {
   // Adaptive budgets (SelectionPolicy::unread_bound_mass): rankings whose
   // page count the rule set, the pages they chose beyond sink and local
   // (in all, the largest, how many stopped at the cap), and how many chose
-  // p pages: adaptive_hist[min(p, kAdaptiveHistPages)].
+  // p pages: adaptive_hist[min(p, kAdaptiveHistPages)]. On the CUDA backend
+  // a call that returns before the device is done (device pointers) counts
+  // none: the next call that waits counts every call's since the last.
   static constexpr int kAdaptiveHistPages = 256;
   int64_t adaptive_rankings = 0, adaptive_pages = 0, adaptive_pages_max = 0, adaptive_cap_hits = 0;
   int64_t adaptive_hist[kAdaptiveHistPages + 1] = {};

@@ -137,6 +137,9 @@ struct SelectShape {
   // same bound, summed in another order, so scores differ from the CPU
   // twin's in their last bits. Off: the CUDA-core kernels, bit for bit.
   bool mma_scores = false;
+  // Leave every ranked row's scores in the workspace (never the fused path,
+  // which scores in shared memory): LaunchAdaptive reads them.
+  bool keep_scores = false;
 };
 
 // Host-side plan: the output CSR's row capacities (exact counts for kMax/kMean
@@ -187,6 +190,40 @@ cudaError_t LaunchSelect(const SelectPlan& plan, const SelectParams& p, cudaStre
 // rows, G <= 4): it scores in shared memory and leaves no scores in the
 // workspace.
 bool SelectIsFused(const SelectPlan& plan, const SelectParams& p);
+
+// ---- adaptive budgets (SelectionPolicy::unread_bound_mass) ---------------------------
+
+// What the adaptive rows chose, summed on the device over calls: rankings,
+// pages beside sink and local (in all, the largest), how many stopped at the
+// budget, and how many chose p pages (hist[min(p, kAdaptiveHistPages)]).
+constexpr int kAdaptiveHistPages = 256;
+struct AdaptiveCounters {
+  unsigned long long rankings, pages, pages_max, cap_hits;
+  unsigned long long hist[kAdaptiveHistPages + 1];
+};
+// The largest page budget of an adaptive select (its winners are sorted in
+// one block).
+constexpr int kAdaptiveMaxPages = 2048;
+
+struct AdaptiveParams {
+  SelectShape shape;                     // the select's (kMax/kMean, one position, keep_scores)
+  double unread_bound_mass = 0;          // e in (0, 1)
+  int64_t floor_tokens = 0;              // SelectionPolicy::adaptive_floor
+  const float* scores = nullptr;         // the select's workspace: row (b, h) at page_indptr[b] * Hkv + h * n
+  const int32_t* page_indptr = nullptr;  // [batch + 1]
+  const int32_t* out_indptr = nullptr;   // the select's output CSR, narrowed in place
+  int32_t* out_pages = nullptr;
+  int32_t* out_count = nullptr;
+  AdaptiveCounters* counters = nullptr;  // accumulated
+};
+// selector/select.cc's AdaptiveK on each row the select ranked: of its top-k
+// pages by the bound, best first, the fewest (at least the floor's) whose
+// bound masses exp(U_p / sqrt(D)) leave at most e of all ranked pages' mass
+// unread; the row keeps those beside its sink and local pages, ascending.
+// A row whose best score is not finite keeps all k. The total is summed in
+// double in another order than the CPU's, so a row whose unread mass lies
+// within rounding of the limit may stop one page apart.
+cudaError_t LaunchAdaptive(const AdaptiveParams& p, cudaStream_t stream);
 
 // ---- two-stage re-rank (SelectionPolicy::rerank) ------------------------------------
 

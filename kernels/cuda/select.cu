@@ -111,7 +111,7 @@ bool PlanSelect(const SelectShape& s, const int32_t* page_counts, int num_sms, S
 bool SelectIsFused(const SelectPlan& plan, const SelectParams& p) {
   const SelectShape& s = p.shape;
   const int rows = s.batch * s.kv_heads;
-  return !s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 && !p.q_rows && !s.mma_scores &&
+  return !s.dense && s.gqa != GqaMode::kUnion && s.group <= 4 && !p.q_rows && !s.mma_scores && !s.keep_scores &&
          (p.q_dtype == p.summary_dtype || p.summary_dtype == DType::kE4M3) &&
          plan.max_pages <= plan.key_cache && plan.max_pages <= kFuseMaxPages &&
          (long long)rows * plan.max_pages <= kFuseMaxHeadPages &&

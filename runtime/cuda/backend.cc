@@ -15,10 +15,14 @@ Status CudaBackendImpl::Init() {
   const int G = g_.group();
   if (G < 1 || G > 8)
     return Status::InvalidArgument("the CUDA backend supports GQA groups 1 to 8, not " + std::to_string(G));
-  if (c_.policy.group_pages != 0 || c_.policy.unread_bound_mass != 0)
+  if (c_.policy.group_pages != 0)
+    return Status::Unimplemented("the CUDA backend selects by the flat Quest scan: group_pages needs the CPU backend");
+  const SelectionPolicy& sp = c_.policy;
+  if (sp.unread_bound_mass != 0 &&
+      (sp.gqa == GqaMode::kUnion || sp.rerank > 0 || sp.block_selection == BlockSelection::kShared))
     return Status::Unimplemented(
-        "the CUDA backend selects by the flat Quest scan with a fixed K: group_pages and unread_bound_mass "
-        "need the CPU backend");
+        "the CUDA backend sets adaptive budgets per KV head of one position with gqa max or mean: with gqa union, "
+        "rerank or shared block selection they need the CPU backend");
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return Status::FailedPrecondition("no usable CUDA device");
   if (!host_->region().pinned())
@@ -55,6 +59,7 @@ Status CudaBackendImpl::Init() {
   QKV_RETURN_IF_ERROR(slot_pinned_.Reserve(slots_));
   QKV_RETURN_IF_ERROR(counters_.Reserve(sizeof(kc::ResolveCounters)));
   QKV_RETURN_IF_ERROR(scratch_counters_.Reserve(sizeof(kc::ResolveCounters)));
+  QKV_RETURN_IF_ERROR(adaptive_counters_.Reserve(sizeof(kc::AdaptiveCounters)));
   QKV_CUDA(cudaMemsetAsync(hbm_slot_.as(), 0xFF, hbm_slot_.bytes(), stream_));
   QKV_CUDA(cudaMemsetAsync(host_addr_.as(), 0, host_addr_.bytes(), stream_));
   QKV_CUDA(cudaMemsetAsync(slot_page_.as(), 0xFF, slot_page_.bytes(), stream_));
@@ -62,6 +67,7 @@ Status CudaBackendImpl::Init() {
   QKV_CUDA(cudaMemsetAsync(slot_last_use_.as(), 0xFF, slot_last_use_.bytes(), stream_));
   QKV_CUDA(cudaMemsetAsync(slot_pinned_.as(), 0, slot_pinned_.bytes(), stream_));
   QKV_CUDA(cudaMemsetAsync(counters_.as(), 0, counters_.bytes(), stream_));
+  QKV_CUDA(cudaMemsetAsync(adaptive_counters_.as(), 0, adaptive_counters_.bytes(), stream_));
   // Staging slots are pinned (never victims, never in a list).
   for (int64_t s = 0; s < int64_t(kStagingPages) * H; ++s) staging_.push_back(int32_t(s));
   QKV_CUDA(cudaMemsetAsync(slot_pinned_.as(), 1, staging_.size(), stream_));

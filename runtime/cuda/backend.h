@@ -369,10 +369,11 @@ class CudaBackendImpl final : public DataPlane {
     double* attend_us = nullptr;
     int64_t* selected = nullptr;
     int64_t* graphs_captured = nullptr;
+    AttendStats* adaptive = nullptr;  // the adaptive rows' counts since the last call that waited
   };
   // What one step's functions share: its shapes, plans, header and buffers.
   struct IoLayout {  // offsets in io_ of what a synchronous step reads back
-    std::size_t out = 0, totals = 0, sel_pages = 0, sel_count = 0, bytes = 0;
+    std::size_t out = 0, totals = 0, adaptive = 0, sel_pages = 0, sel_count = 0, bytes = 0;
   };
   struct StepPlan {
     explicit StepPlan(HostProfile& prof) : clock(prof) {}
@@ -617,6 +618,8 @@ class CudaBackendImpl final : public DataPlane {
   // Device state.
   DevBuf pool_, summaries_, hbm_slot_, host_addr_, slot_page_, slot_head_, slot_last_use_, slot_pinned_;
   DevBuf counters_, scratch_counters_;
+  DevBuf adaptive_counters_;                // kc::AdaptiveCounters, summed over calls
+  kc::AdaptiveCounters adaptive_seen_{};  // as the last call that waited read them
   int64_t slots_ = 0;
   std::vector<int32_t> free_;     // free slots (not staging, not in any partition)
   std::vector<int32_t> staging_;  // [kStagingPages][Hkv]

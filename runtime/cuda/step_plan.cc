@@ -22,6 +22,7 @@ Status CudaBackendImpl::DecodeStep(const Step& st) {
   }
   a.selected = &selected;
   if (stats) a.graphs_captured = &stats->graphs_captured;
+  a.adaptive = stats;
   if (Status run = RunStep(a); !run.ok()) {
     // Rows sharing a list attend together only when the list can hold their
     // selections' union at once: else they go in halves, down to one row
@@ -170,6 +171,12 @@ Status CudaBackendImpl::PlanStep(const StepArgs& s, StepPlan& p) {
   shape.split_long_rows = c_.cuda_split_long_rows;
   shape.mma_scores = c_.cuda_mma_scores;
   shape.chain = c_.cuda_chain_kernels;
+  // Adaptive budgets read the select's scores after it.
+  shape.keep_scores = c_.policy.unread_bound_mass > 0 && !shape.dense;
+  if (shape.keep_scores && shape.page_budget > kc::kAdaptiveMaxPages)
+    return Status::InvalidArgument("adaptive budgets: layer " + std::to_string(s.layer) + "'s budget is " +
+                                   std::to_string(shape.page_budget) + " pages, the CUDA backend takes at most " +
+                                   std::to_string(kc::kAdaptiveMaxPages));
   std::string err;
   if (!kc::PlanSelect(shape, p.counts.data(), sms_, &p.splan, &err)) return Status::InvalidArgument(err);
   // Rows within the budget choose every page: nothing to re-rank unless one is longer.
@@ -408,7 +415,8 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   IoLayout& io = p.io;
   io.out = 0;
   io.totals = io.out + Align256(s.host_f32 ? p.qelems * 4 : 0);
-  io.sel_pages = io.totals + Align256(sizeof(kc::ResolveCounters));
+  io.adaptive = io.totals + Align256(sizeof(kc::ResolveCounters));
+  io.sel_pages = io.adaptive + Align256(p.shape.keep_scores ? sizeof(kc::AdaptiveCounters) : 0);
   io.sel_count = io.sel_pages + Align256(p.want_sel ? p.entries * 4 : 0);
   io.bytes = io.sel_count + Align256(p.want_sel ? p.rows * 4 : 0);
   if (!p.async) QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));

@@ -152,6 +152,19 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
     QKV_CUDA(kc::LaunchRerank(rr, stream_));
   } else {
     QKV_CUDA(kc::LaunchSelect(p.splan, sp, stream_));
+    if (p.shape.keep_scores) {  // adaptive budgets: each row narrowed by its bound masses
+      kc::AdaptiveParams ad;
+      ad.shape = p.shape;
+      ad.unread_bound_mass = c_.policy.unread_bound_mass;
+      ad.floor_tokens = c_.policy.adaptive_floor;
+      ad.scores = sel_ws_.as<float>();
+      ad.page_indptr = p.d_hdr;
+      ad.out_indptr = sp.out_indptr;
+      ad.out_pages = sp.out_pages;
+      ad.out_count = sp.out_count;
+      ad.counters = adaptive_counters_.as<kc::AdaptiveCounters>();
+      QKV_CUDA(kc::LaunchAdaptive(ad, stream_));
+    }
   }
   if (p.timed) QKV_CUDA(cudaEventRecord(ev_[1], stream_));
   if (p.block) {  // each list's rows' selections, united
@@ -259,6 +272,11 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
                              cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
                            stream_));
+  if (p.shape.keep_scores) {  // the largest count starts again after each read
+    auto* ad = adaptive_counters_.as<kc::AdaptiveCounters>();
+    QKV_CUDA(cudaMemcpyAsync(io_ + io.adaptive, ad, sizeof(kc::AdaptiveCounters), cudaMemcpyDeviceToHost, stream_));
+    QKV_CUDA(cudaMemsetAsync(&ad->pages_max, 0, sizeof(ad->pages_max), stream_));
+  }
   if (p.want_sel) {
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), p.entries * 4, cudaMemcpyDeviceToHost, stream_));
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), p.rows * 4, cudaMemcpyDeviceToHost, stream_));
@@ -275,6 +293,20 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
   const uint64_t bypassed = totals.bypasses - bypasses_seen_;
   bypasses_seen_ = totals.bypasses;
   if (bypassed > 0) return NoSlotFault(bypassed);
+  if (p.shape.keep_scores) {  // what the adaptive rows chose since the last call that waited
+    kc::AdaptiveCounters now;
+    std::memcpy(&now, io_ + io.adaptive, sizeof(now));
+    if (AttendStats* a = s.adaptive) {
+      static_assert(kc::kAdaptiveHistPages == AttendStats::kAdaptiveHistPages);
+      a->adaptive_rankings += int64_t(now.rankings - adaptive_seen_.rankings);
+      a->adaptive_pages += int64_t(now.pages - adaptive_seen_.pages);
+      a->adaptive_pages_max = std::max(a->adaptive_pages_max, int64_t(now.pages_max));
+      a->adaptive_cap_hits += int64_t(now.cap_hits - adaptive_seen_.cap_hits);
+      for (int i = 0; i <= kc::kAdaptiveHistPages; ++i)
+        a->adaptive_hist[i] += int64_t(now.hist[i] - adaptive_seen_.hist[i]);
+    }
+    adaptive_seen_ = now;
+  }
   if (p.timed) {
     float a = 0, b = 0, c = 0;
     QKV_CUDA(cudaEventElapsedTime(&a, ev_[0], ev_[1]));

@@ -253,6 +253,64 @@ TEST(CudaSelection, RerankMatchesCpu) {
   }
 }
 
+// Adaptive budgets (SelectionPolicy::unread_bound_mass) on the GPU: each
+// row's page count from its bound masses, between the floor and the budget;
+// the CPU backend's selections, outputs and counts. A loose share must
+// stop some rows short of the budget (else the test shows little).
+TEST(CudaSelection, AdaptiveBudgetsMatchCpu) {
+  for (const Case& c : {Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3}, Case{DType::kF32, GqaMode::kMean, 8, 2, 1e-5},
+                        Case{DType::kBF16, GqaMode::kMax, 16, 2, 1e-2, SummaryDType::kE4M3},
+                        Case{DType::kF16, GqaMode::kMean, 6, 2, 2e-3}}) {
+    for (const double share : {0.6, 0.05}) {
+      std::ostringstream name;
+      PrintTo(c, &name);
+      SCOPED_TRACE(name.str() + " unread share " + std::to_string(share));
+      Config on_gpu = MakeConfig(Backend::kCuda, c);
+      Config on_cpu = MakeConfig(Backend::kCpu, c);
+      for (Config* cfg : {&on_gpu, &on_cpu}) {
+        cfg->policy.token_budget = 256;  // 16 pages: 13 beside sink and local
+        cfg->policy.unread_bound_mass = share;
+        cfg->policy.adaptive_floor = 80;  // 5 pages: 2 beside sink and local
+      }
+      QKV_CREATE_CUDA(gpu, on_gpu);
+      auto cpu = Runtime::Create(on_cpu);
+      ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+      Twins tw({cpu->get(), gpu.get()}, on_gpu.geometry, c.dtype);
+      RunScenario(tw, on_gpu.geometry, c.tol, 3);
+      // One more call on the longest sequence (id 5), its counts on both.
+      const auto q = Rounded(test::RandomNormal(std::size_t(c.q_heads) * 64, 7), c.dtype);
+      std::vector<float> oa(q.size()), ob(q.size());
+      AttendStats sa, sb;
+      const SeqId seq = 5;
+      ASSERT_TRUE((*cpu)->DecodeAttention(std::span<const SeqId>(&seq, 1), 1, q.data(), oa.data(), nullptr, &sa).ok());
+      ASSERT_TRUE(gpu->DecodeAttention(std::span<const SeqId>(&seq, 1), 1, q.data(), ob.data(), nullptr, &sb).ok());
+      EXPECT_EQ(sb.adaptive_rankings, sa.adaptive_rankings);
+      EXPECT_EQ(sb.adaptive_pages, sa.adaptive_pages);
+      EXPECT_EQ(sb.adaptive_pages_max, sa.adaptive_pages_max);
+      EXPECT_EQ(sb.adaptive_cap_hits, sa.adaptive_cap_hits);
+      EXPECT_EQ(std::vector<int64_t>(std::begin(sb.adaptive_hist), std::end(sb.adaptive_hist)),
+                std::vector<int64_t>(std::begin(sa.adaptive_hist), std::end(sa.adaptive_hist)));
+      EXPECT_EQ(sa.adaptive_rankings, 2) << "one ranking a KV head";
+      EXPECT_EQ(sb.head_pages_selected, sa.head_pages_selected);
+      EXPECT_LE(test::RelL2Error(ob.data(), oa.data(), q.size()), c.tol);
+      if (share > 0.5) EXPECT_LT(sa.adaptive_cap_hits, sa.adaptive_rankings) << "every ranking took the budget";
+    }
+  }
+}
+
+// With gqa union, the re-rank or shared blocks, adaptive budgets need the
+// CPU backend: refused at creation, with a message that says so.
+TEST(CudaSelection, AdaptiveBudgetsRefuseWhatTheyDoNotRun) {
+  const Case c{DType::kF16, GqaMode::kUnion, 8, 2, 2e-3};
+  Config cfg = MakeConfig(Backend::kCuda, c);
+  cfg.policy.unread_bound_mass = 0.2;
+  auto r = Runtime::Create(cfg);
+  if (!r.ok() && r.status().code() == Code::kFailedPrecondition) GTEST_SKIP() << r.status().ToString();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kUnimplemented);
+  EXPECT_NE(r.status().message().find("adaptive"), std::string::npos) << r.status().ToString();
+}
+
 // Every page in HBM against an HBM that holds a fraction: the misses are
 // gathered from pinned host memory and the outputs are the same bits.
 TEST(CudaTiers, MostlyOnHostIsBitIdenticalToAllInHbm) {
