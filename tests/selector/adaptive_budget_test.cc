@@ -1,7 +1,8 @@
-// SelectionPolicy::unread_bound_mass against its definition, written here
-// from a full sort: per ranking, the fewest top pages (at least the floor, at
-// most the cap) whose bound masses exp(U/sqrt(D)) leave at most the given
-// share of all ranked pages' mass unread; selected = sink ∪ local ∪ those.
+// SelectionPolicy::unread_bound_mass against its definition
+// (test::AdaptiveDefinition, from a full sort): per ranking, the fewest top
+// pages (at least the floor, at most the cap) whose bound masses
+// exp(U/sqrt(D)) leave at most the given share of all ranked pages' mass
+// unread; selected = sink ∪ local ∪ those.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,29 +20,6 @@ namespace questkv {
 namespace {
 
 constexpr int kHkv = 2, kD = 16;
-
-// The pages the definition selects for one ranking's scores.
-std::vector<int> Definition(const std::vector<float>& s, const std::set<int>& fixed, double eps, int floor_k,
-                            int cap_k, int* k_out) {
-  std::vector<int> idx;
-  for (int i = 0; i < int(s.size()); ++i)
-    if (!fixed.count(i)) idx.push_back(i);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return s[a] > s[b]; });
-  const float top = idx.empty() ? 0.f : s[idx[0]];
-  const double scale = 1.f / std::sqrt(float(kD));
-  auto mass = [&](int i) { return std::exp(double(s[i] - top) * scale); };
-  double total = 0;
-  for (int i : idx) total += mass(i);
-  int k = 0;
-  double unread = total;
-  const int cap = std::min<int>(cap_k, int(idx.size()));
-  while (k < cap && (k < floor_k || unread > eps * total)) unread -= mass(idx[k++]);
-  *k_out = k;
-  std::vector<int> rows(fixed.begin(), fixed.end());
-  rows.insert(rows.end(), idx.begin(), idx.begin() + k);
-  std::sort(rows.begin(), rows.end());
-  return rows;
-}
 
 TEST(AdaptiveBudget, SelectsWhatItsDefinitionSelects) {
   int flat_capped = 0, peaked_below_cap = 0;
@@ -110,7 +88,9 @@ TEST(AdaptiveBudget, SelectsWhatItsDefinitionSelects) {
             s[i] = gqa == GqaMode::kMean ? a / float(G) : a;
           }
           int k = 0;
-          for (int p : Definition(s, fixed, pol.unread_bound_mass, floor_k, cap, &k)) want.insert(p);
+          for (int p : test::AdaptiveDefinition(s, std::vector<int>(fixed.begin(), fixed.end()), pol.unread_bound_mass,
+                                                floor_k, cap, kD, &k))
+            want.insert(p);
           ASSERT_LT(ranking, sel.adaptive_pages().size());
           EXPECT_EQ(sel.adaptive_pages()[ranking], k) << "trial " << trial << " head " << h;
           EXPECT_EQ(sel.adaptive_capped()[ranking], k == cap);

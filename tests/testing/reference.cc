@@ -53,6 +53,32 @@ double Jaccard(const std::vector<int>& a, const std::vector<int>& b) {
   return double(common) / double(all.size());
 }
 
+std::vector<int> AdaptiveDefinition(const std::vector<float>& s, const std::vector<int>& fixed, double share,
+                                    int floor_k, int cap_k, int head_dim, int* k_out) {
+  const std::set<int> is_fixed(fixed.begin(), fixed.end());
+  std::vector<int> idx;
+  for (int i = 0; i < int(s.size()); ++i)
+    if (!is_fixed.count(i)) idx.push_back(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return s[a] > s[b]; });
+  const int cap = std::min<int>(cap_k, int(idx.size()));
+  int k = cap;
+  if (!idx.empty() && std::isfinite(s[idx[0]])) {
+    const float top = s[idx[0]];
+    const double scale = 1.f / std::sqrt(float(head_dim));
+    auto mass = [&](int i) { return std::exp(double(s[i] - top) * scale); };
+    double total = 0;
+    for (int i : idx) total += mass(i);
+    k = 0;
+    double unread = total;
+    while (k < cap && (k < floor_k || unread > share * total)) unread -= mass(idx[k++]);
+  }
+  *k_out = k;
+  std::vector<int> rows(is_fixed.begin(), is_fixed.end());
+  rows.insert(rows.end(), idx.begin(), idx.begin() + k);
+  std::sort(rows.begin(), rows.end());
+  return rows;
+}
+
 std::vector<double> MaskedAttention(const float* q, const float* k, const float* v, int tokens,
                                     int head_dim, int page_size, const std::vector<int>& pages,
                                     double scale) {

@@ -23,6 +23,16 @@ double RelL2Error(const float* a, const float* b, std::size_t n);
 // |a ∩ b| / |a ∪ b| of two sets (duplicates ignored); 1 when both are empty.
 double Jaccard(const std::vector<int>& a, const std::vector<int>& b);
 
+// Adaptive budgets (SelectionPolicy::unread_bound_mass) from their
+// definition, by a full sort: of one ranking's scores `s` (no NaN), the pages
+// outside `fixed` best first (ties toward the lower index); the fewest, at
+// least floor_k and at most cap_k, whose bound masses exp((s - top) /
+// sqrt(head_dim)) leave at most `share` of all their mass unread (all cap_k
+// when the best score is not finite). Returns fixed ∪ those, ascending, and
+// their count in *k_out.
+std::vector<int> AdaptiveDefinition(const std::vector<float>& s, const std::vector<int>& fixed, double share,
+                                    int floor_k, int cap_k, int head_dim, int* k_out);
+
 // Softmax attention of one query head over the tokens t in [0, tokens) whose
 // page t / page_size is listed in `pages` (any order, duplicates ignored).
 // k, v: [tokens][head_dim] contiguous. Returns [head_dim] in double; zeros
