@@ -117,7 +117,8 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   if (p.async) {
     QKV_RETURN_IF_ERROR(TicketCall());
     unchecked_async_ = true;  // its bypasses are checked at the next wait (Sync)
-    // entries: exact for max/mean and dense; union rows and shared blocks' rows may use less.
+    // entries: exact for max/mean and dense; union rows, shared blocks' rows and adaptive
+    // rows may use less.
     if (s.selected) *s.selected += p.entries;
     p.clock.Mark(kLaunch);
     // The reports of all but the newest kReportsInFlight - 1 calls; the
@@ -132,10 +133,21 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
   int64_t reported = 0;
   QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/0, &reported));
   QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));
-  // entries: exact for max/mean and dense; union rows and shared blocks' rows
-  // (their capacities) may use less. A block step's report counts its lists'
-  // unions, not its rows.
-  if (s.selected && !p.want_sel) *s.selected += p.note && !p.block ? reported : p.entries;
+  // entries: exact for max/mean and dense; union rows, shared blocks' rows and
+  // adaptive rows (their capacities) may use less, so adaptive rows count
+  // what they read back. A block step's report counts its lists' unions, not
+  // its rows.
+  if (s.selected && !p.want_sel) {
+    if (p.note && !p.block) {
+      *s.selected += reported;
+    } else if (p.shape.keep_scores) {
+      const int32_t* count = reinterpret_cast<const int32_t*>(io_ + p.io.sel_count);
+      for (int r = 0; r < p.rows; ++r)
+        *s.selected += std::min(count[r], p.splan.out_indptr[r + 1] - p.splan.out_indptr[r]);
+    } else {
+      *s.selected += p.entries;
+    }
+  }
   p.clock.Mark(kReadback);  // selections, timings, reports
   return Status::Ok();
 }
@@ -418,7 +430,8 @@ Status CudaBackendImpl::ReserveStepBuffers(const StepArgs& s, StepPlan& p) {
   io.adaptive = io.totals + Align256(sizeof(kc::ResolveCounters));
   io.sel_pages = io.adaptive + Align256(p.shape.keep_scores ? sizeof(kc::AdaptiveCounters) : 0);
   io.sel_count = io.sel_pages + Align256(p.want_sel ? p.entries * 4 : 0);
-  io.bytes = io.sel_count + Align256(p.want_sel ? p.rows * 4 : 0);
+  // Adaptive rows' counts come back too: their capacities overstate them.
+  io.bytes = io.sel_count + Align256(p.want_sel || p.shape.keep_scores ? p.rows * 4 : 0);
   if (!p.async) QKV_RETURN_IF_ERROR(ReserveIo(io.bytes));
   // Page ids: one sequence reads its mirror in place; a batch is copied together.
   p.page_ids = parts_[s.partitions[0]].pages.as<uint32_t>();

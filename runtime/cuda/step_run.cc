@@ -277,10 +277,10 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
     QKV_CUDA(cudaMemcpyAsync(io_ + io.adaptive, ad, sizeof(kc::AdaptiveCounters), cudaMemcpyDeviceToHost, stream_));
     QKV_CUDA(cudaMemsetAsync(&ad->pages_max, 0, sizeof(ad->pages_max), stream_));
   }
-  if (p.want_sel) {
+  if (p.want_sel)
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), p.entries * 4, cudaMemcpyDeviceToHost, stream_));
+  if (p.want_sel || p.shape.keep_scores)
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_count, sel_count_.as(), p.rows * 4, cudaMemcpyDeviceToHost, stream_));
-  }
   p.clock.Mark(kLaunch);
   unchecked_async_ = false;  // checked below, from the counters read back with the outputs
   QKV_RETURN_IF_ERROR(Sync());
