@@ -72,6 +72,17 @@ void TierMover::NoteSelected(uint32_t page, int64_t step) {
   h.last_step = step;
 }
 
+void TierMover::NoteSelected(std::span<const uint32_t> pages, int64_t step) {
+  constexpr std::size_t kAhead = 16;  // homes in flight while one is noted
+  const std::size_t n = pages.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(&homes_[pages[i + kAhead]], 1);
+    Home& h = homes_[pages[i]];
+    if (h.last_step != step) ++h.uses;
+    h.last_step = step;
+  }
+}
+
 Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t step) {
   Home& h = homes_[page];
   assert(h.host_slot == kNoSlot && h.io == Io::kIdle);

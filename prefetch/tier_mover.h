@@ -43,6 +43,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "questkv/config.h"
@@ -114,6 +115,9 @@ class TierMover {
   // Counts a selection of the page at `step` (demotion order), for the CUDA
   // backend whose selections the mover does not see one by one.
   void NoteSelected(uint32_t page, int64_t step);
+  // The same for each of `pages`, their homes fetched ahead: a dense
+  // layer's report names every page, 64K scattered homes at 1M tokens.
+  void NoteSelected(std::span<const uint32_t> pages, int64_t step);
   // A selected head-page that missed hbm at `step`: its readable host home
   // (the whole page, [2][Hkv][S][D]). A home on disk is a cold miss: under
   // `strict` the call waits for its promotion; under `deadline` the promotion

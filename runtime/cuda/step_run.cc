@@ -436,8 +436,7 @@ Status CudaBackendImpl::ApplyReport(Report& r, int64_t* selected) {
       const int n = counts[row];
       if (selected) *selected += n;
       if (noted_all || (r.first_head_only && h > 0)) continue;
-      const uint32_t* ids = pages + r.sel_indptr[row];
-      for (int i = 0; i < n; ++i) mover_->NoteSelected(ids[i], r.step);
+      mover_->NoteSelected(std::span<const uint32_t>(pages + r.sel_indptr[row], std::size_t(std::max(n, 0))), r.step);
       noted_all = n == r.page_counts[b];
     }
   }

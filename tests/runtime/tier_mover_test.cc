@@ -130,6 +130,20 @@ TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
   CheckHomes();
 }
 
+// A report's pages noted together are as recent as pages noted one by one
+// (a page listed twice among them included): the others are demoted first.
+TEST_F(TierMoverTest, PagesNotedTogetherCountAsNotedOneByOne) {
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(p), 1);
+  for (uint32_t p : {4u, 5u, 6u}) mover_->NoteSelected(p, 5);
+  const std::vector<uint32_t> report = {2, 0, 3, 2, 1};
+  mover_->NoteSelected(std::span<const uint32_t>(report), 10);
+  ASSERT_TRUE(mover_->Pump(20).ok());  // down to low water (4): the three coldest go
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  for (uint32_t p : {4u, 5u, 6u}) EXPECT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  for (uint32_t p : {0u, 1u, 2u, 3u}) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p;
+  CheckHomes();
+}
+
 // An order lives 64 model steps — 64 * 2 * layers runtime steps, the
 // runtime's step advancing twice a decode call — unless it runs out: at 1M
 // tokens building one scans every host page (~45 ms).
