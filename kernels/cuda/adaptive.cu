@@ -17,6 +17,7 @@
 #include <cfloat>
 #include <climits>
 #include <cmath>
+#include <string>
 
 #include "kernels/cuda/dispatch.cuh"
 #include "kernels/cuda/kernels_cuda.h"
@@ -172,8 +173,11 @@ cudaError_t LaunchAdaptive(const AdaptiveParams& p, cudaStream_t stream) {
   if (s.batch <= 0 || s.dense) return cudaSuccess;
   if (!p.scores || !p.page_indptr || !p.out_indptr || !p.out_pages || !p.out_count || !p.counters)
     return cudaErrorInvalidValue;
-  if (!(p.unread_bound_mass > 0 && p.unread_bound_mass < 1))
-    return Unsupported("adaptive unread_bound_mass x 1e6", (long long)(p.unread_bound_mass * 1e6), "(0, 1)");
+  if (!(p.unread_bound_mass > 0 && p.unread_bound_mass < 1)) {
+    SetLastErrorMessage("unsupported adaptive unread_bound_mass = " + std::to_string(p.unread_bound_mass) +
+                        " (supported: (0, 1))");
+    return cudaErrorInvalidValue;
+  }
   if (s.gqa == GqaMode::kUnion || s.positions != 1 || !s.keep_scores)
     return Unsupported("adaptive select: gqa union, positions > 1 or scores not kept", s.positions, "kMax/kMean, 1");
   if (s.page_budget > kAdaptiveMaxPages) return Unsupported("adaptive page budget", s.page_budget, "1..2048 pages");

@@ -618,8 +618,7 @@ class CudaBackendImpl final : public DataPlane {
   // Device state.
   DevBuf pool_, summaries_, hbm_slot_, host_addr_, slot_page_, slot_head_, slot_last_use_, slot_pinned_;
   DevBuf counters_, scratch_counters_;
-  DevBuf adaptive_counters_;                // kc::AdaptiveCounters, summed over calls
-  kc::AdaptiveCounters adaptive_seen_{};  // as the last call that waited read them
+  DevBuf adaptive_counters_;  // kc::AdaptiveCounters since the last call that waited read them
   int64_t slots_ = 0;
   std::vector<int32_t> free_;     // free slots (not staging, not in any partition)
   std::vector<int32_t> staging_;  // [kStagingPages][Hkv]

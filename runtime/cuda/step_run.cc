@@ -272,10 +272,10 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
                              cudaMemcpyDeviceToHost, stream_));
   QKV_CUDA(cudaMemcpyAsync(io_ + io.totals, counters_.as(), sizeof(kc::ResolveCounters), cudaMemcpyDeviceToHost,
                            stream_));
-  if (p.shape.keep_scores) {  // the largest count starts again after each read
+  if (p.shape.keep_scores) {  // the counts since the last read, then zero again
     auto* ad = adaptive_counters_.as<kc::AdaptiveCounters>();
     QKV_CUDA(cudaMemcpyAsync(io_ + io.adaptive, ad, sizeof(kc::AdaptiveCounters), cudaMemcpyDeviceToHost, stream_));
-    QKV_CUDA(cudaMemsetAsync(&ad->pages_max, 0, sizeof(ad->pages_max), stream_));
+    QKV_CUDA(cudaMemsetAsync(ad, 0, sizeof(kc::AdaptiveCounters), stream_));
   }
   if (p.want_sel)
     QKV_CUDA(cudaMemcpyAsync(io_ + io.sel_pages, sel_pages_.as(), p.entries * 4, cudaMemcpyDeviceToHost, stream_));
@@ -292,21 +292,18 @@ Status CudaBackendImpl::ReadBack(const StepArgs& s, StepPlan& p) {
   std::memcpy(&totals, io_ + io.totals, sizeof(totals));
   const uint64_t bypassed = totals.bypasses - bypasses_seen_;
   bypasses_seen_ = totals.bypasses;
-  if (bypassed > 0) return NoSlotFault(bypassed);
-  if (p.shape.keep_scores) {  // what the adaptive rows chose since the last call that waited
-    kc::AdaptiveCounters now;
-    std::memcpy(&now, io_ + io.adaptive, sizeof(now));
-    if (AttendStats* a = s.adaptive) {
-      static_assert(kc::kAdaptiveHistPages == AttendStats::kAdaptiveHistPages);
-      a->adaptive_rankings += int64_t(now.rankings - adaptive_seen_.rankings);
-      a->adaptive_pages += int64_t(now.pages - adaptive_seen_.pages);
-      a->adaptive_pages_max = std::max(a->adaptive_pages_max, int64_t(now.pages_max));
-      a->adaptive_cap_hits += int64_t(now.cap_hits - adaptive_seen_.cap_hits);
-      for (int i = 0; i <= kc::kAdaptiveHistPages; ++i)
-        a->adaptive_hist[i] += int64_t(now.hist[i] - adaptive_seen_.hist[i]);
-    }
-    adaptive_seen_ = now;
+  if (p.shape.keep_scores && s.adaptive) {  // what the adaptive rows chose since the last call that waited
+    kc::AdaptiveCounters got;
+    std::memcpy(&got, io_ + io.adaptive, sizeof(got));
+    AttendStats* a = s.adaptive;
+    static_assert(kc::kAdaptiveHistPages == AttendStats::kAdaptiveHistPages);
+    a->adaptive_rankings += int64_t(got.rankings);
+    a->adaptive_pages += int64_t(got.pages);
+    a->adaptive_pages_max = std::max(a->adaptive_pages_max, int64_t(got.pages_max));
+    a->adaptive_cap_hits += int64_t(got.cap_hits);
+    for (int i = 0; i <= kc::kAdaptiveHistPages; ++i) a->adaptive_hist[i] += int64_t(got.hist[i]);
   }
+  if (bypassed > 0) return NoSlotFault(bypassed);
   if (p.timed) {
     float a = 0, b = 0, c = 0;
     QKV_CUDA(cudaEventElapsedTime(&a, ev_[0], ev_[1]));
