@@ -255,14 +255,7 @@ class RuntimeHolder : public torch::CustomClassHolder {
     d.insert("adaptive_pages", attend_.adaptive_pages);
     d.insert("adaptive_pages_max", attend_.adaptive_pages_max);
     d.insert("adaptive_cap_hits", attend_.adaptive_cap_hits);
-    // The pages-per-ranking percentile (of counts up to kAdaptiveHistPages) at 95%.
-    int64_t seen = 0, p95 = 0;
-    for (int i = 0; i <= AttendStats::kAdaptiveHistPages; ++i)
-      if ((seen += attend_.adaptive_hist[i]) * 100 >= attend_.adaptive_rankings * 95) {
-        p95 = i;
-        break;
-      }
-    d.insert("adaptive_pages_p95", p95);
+    d.insert("adaptive_pages_p95", attend_.AdaptivePagesPercentile(95));
     d.insert("live_pages", int64_t(rt_->live_pages()));
     d.insert("live_sequences", int64_t(rt_->live_sequences()));
     return d;

@@ -20,6 +20,8 @@
 #            E4M3 or f16 summaries: E4M3 at S = 8 reads f16's summary bytes at S = 16; recall sampled
 #   l3-all-rrC, l3-all-s8-e4m3-rrC   l3-all and l3-all-s8-e4m3 with the two-stage re-rank, C times the
 #            budget's pages as candidates (--rerank C); recall sampled
+#   l3-all-adE   l3-all with adaptive budgets: per ranking the fewest pages leaving at most E of
+#            the bound mass unread, capped at the token budget (--unread-bound-mass E)
 #   gen-check    sweep-32768-all's run with the K/V generated on the host: the same digest
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            $HOST_1M (80G) pinned host, the rest on disk ($DISK_1M, 56G: the device has ~60 GB free) under $DISK;
@@ -86,6 +88,7 @@ for run in $RUNS; do
     l3-all-s8-e4m3) one l3-all-s8-e4m3 $L3 --page-size 8 --sink-pages 2 --local-pages 16 --summary-dtype e4m3 --recall-every 32 ;;
     l3-all-s8) one l3-all-s8 $L3 --page-size 8 --sink-pages 2 --local-pages 16 --recall-every 32 ;;
     l3-all-rr*) one $run $L3 --rerank ${run#l3-all-rr} --recall-every 32 ;;
+    l3-all-ad*) one $run $L3 --unread-bound-mass ${run#l3-all-ad} --recall-every 32 ;;
     l3-all-s8-e4m3-rr*) one $run $L3 --page-size 8 --sink-pages 2 --local-pages 16 --summary-dtype e4m3 \
       --rerank ${run#l3-all-s8-e4m3-rr} --recall-every 32 ;;
     l3-2g-e4m3) one l3-2g-e4m3 $L3 --summary-dtype e4m3 --hbm-bytes 2G --recall-every 0 ;;

@@ -56,7 +56,29 @@ def main():
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)] if rows else [len(h) for h in hdr]
     for row in (hdr, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    selection(runs)
     speculative(runs)
+
+
+def selection(runs):
+    """What each run selected: head-pages read (of dense), recall where sampled, adaptive budgets."""
+    hdr = ("run", "head-pages %", "recall mass", "out err", "adaptive pages mean/P95/max", "at cap %")
+    rows = []
+    for name, r in runs.items():
+        rec, a = r.get("recall", {}), r.get("adaptive", {})
+        sampled = rec.get("samples", 0) > 0
+        ranked = a.get("rankings", 0)
+        rows.append((name, "%.2f" % (100 * r["head_pages_selected"] / max(1, r["head_pages_total"])),
+                     "%.3f" % rec["attention_mass"] if sampled else "-",
+                     "%.3f" % rec["output_rel_error"] if sampled else "-",
+                     "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
+                     "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-"))
+    if not rows:
+        return
+    widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
+    print()
+    for row in (hdr, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
 
 
 def speculative(runs):

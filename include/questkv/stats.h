@@ -22,6 +22,14 @@ struct AttendStats {
   static constexpr int kAdaptiveHistPages = 256;
   int64_t adaptive_rankings = 0, adaptive_pages = 0, adaptive_pages_max = 0, adaptive_cap_hits = 0;
   int64_t adaptive_hist[kAdaptiveHistPages + 1] = {};
+  // The smallest page count p with at least `percent`% of the adaptive
+  // rankings choosing <= p pages (counts past kAdaptiveHistPages read as it); 0 with none.
+  int64_t AdaptivePagesPercentile(int percent) const {
+    int64_t seen = 0;
+    for (int i = 0; i <= kAdaptiveHistPages; ++i)
+      if ((seen += adaptive_hist[i]) * 100 >= adaptive_rankings * percent && seen > 0) return i;
+    return 0;
+  }
   // Wall time of the phases, microseconds: selection (scores + top-K),
   // resolve (finding or fetching every selected head-page), attention.
   double select_us = 0, resolve_us = 0, attend_us = 0;

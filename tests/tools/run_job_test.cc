@@ -193,6 +193,29 @@ TEST(RunJob, FullBudgetRecallsEverything) {
   EXPECT_EQ(r->head_pages_selected, r->head_pages_total);
 }
 
+// Adaptive budgets: every sparse ranking is counted, and with sink and local
+// its pages make up the head-pages read.
+TEST(RunJob, ReportsAdaptiveBudgets) {
+  RunOptions o = Small();
+  o.config.policy.dense_layers = {};
+  o.config.policy.unread_bound_mass = 0.2;
+  o.recall_every = 0;
+  auto r = RunJob(o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const RunReport::Adaptive& a = r->adaptive;
+  EXPECT_EQ(a.rankings, 2 * 3 * 2 * 6);  // sequences x layers x KV heads x steps
+  const int64_t fixed = o.config.policy.sink_pages + o.config.policy.local_pages;
+  EXPECT_EQ(a.pages + a.rankings * fixed, r->head_pages_selected);
+  const int64_t cap = o.config.policy.token_budget / o.config.geometry.page_size - fixed;
+  EXPECT_GT(a.pages_max, 0);
+  EXPECT_LE(a.pages_max, cap);
+  EXPECT_LE(a.pages_p95, a.pages_max);
+  EXPECT_LE(a.cap_hits, a.rankings);
+  EXPECT_LE(double(a.pages) / double(a.rankings), double(a.pages_max));
+  const std::string json = ReportJson(*r);
+  EXPECT_NE(json.find("\"adaptive\":{\"rankings\":72,"), std::string::npos) << json;
+}
+
 TEST(RunJob, ReportsTheStepBreakdownAndDenseBeside) {
   auto r = RunJob(Small());
   ASSERT_TRUE(r.ok());

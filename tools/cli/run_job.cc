@@ -275,6 +275,17 @@ RunReport::Links LinksOf(const TierStats& t) {
   return {t.bytes_host_to_hbm, t.bytes_hbm_to_host, t.bytes_host_to_disk, t.bytes_disk_to_host};
 }
 int64_t HostLinkBytes(const RunReport::Links& l) { return l.host_to_hbm + l.hbm_to_host; }
+// What a run's decode calls read and selected, summed over its calls.
+void TakeReadCounts(const AttendStats& stats, RunReport& r) {
+  r.head_pages_selected = stats.head_pages_selected;
+  r.head_pages_total = stats.head_pages_total;
+  r.kv_bytes_read = stats.kv_bytes_read;
+  r.summary_bytes_read = stats.summary_bytes_read;
+  r.rerank_key_bytes = stats.rerank_key_bytes;
+  r.adaptive = {stats.adaptive_rankings, stats.adaptive_pages, stats.AdaptivePagesPercentile(95),
+                stats.adaptive_pages_max, stats.adaptive_cap_hits};
+}
+
 void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunReport::Links& before) {
   acc.host_to_hbm += after.host_to_hbm - before.host_to_hbm;
   acc.hbm_to_host += after.hbm_to_host - before.hbm_to_host;
@@ -495,11 +506,7 @@ Status SpeculativeDecode(Runtime& rt, const RunOptions& o, const Batch& batch, R
   r.step_breakdown_us = {1e6 * r.speculative.append_seconds / std::max<double>(1, double(o.decode_steps)),
                          stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
   r.speculative.head_pages_selected = stats.head_pages_selected;
-  r.head_pages_selected = stats.head_pages_selected;
-  r.head_pages_total = stats.head_pages_total;
-  r.kv_bytes_read = stats.kv_bytes_read;
-  r.summary_bytes_read = stats.summary_bytes_read;
-  r.rerank_key_bytes = stats.rerank_key_bytes;
+  TakeReadCounts(stats, r);
   return Status::Ok();
 }
 
@@ -681,11 +688,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   const double timed = std::max<double>(1, double(timed_steps));
   r.step_breakdown_us = {append_us / steps, stats.select_us / timed, stats.resolve_us / timed, stats.attend_us / timed};
   r.enqueue_us = Summarise(std::move(enqueue_steps));
-  r.head_pages_selected = stats.head_pages_selected;
-  r.head_pages_total = stats.head_pages_total;
-  r.kv_bytes_read = stats.kv_bytes_read;
-  r.summary_bytes_read = stats.summary_bytes_read;
-  r.rerank_key_bytes = stats.rerank_key_bytes;
+  TakeReadCounts(stats, r);
   if (r.diagnosed > 0) {
     const double n = r.diagnosed;
     r.page_recall /= n;
@@ -882,6 +885,12 @@ std::string FormatReport(const RunReport& r) {
   }
   Line(out, "  head-pages read    %lld of %lld (%.1f%%)\n", static_cast<long long>(r.head_pages_selected),
        static_cast<long long>(r.head_pages_total), Pct(r.head_pages_selected, r.head_pages_total));
+  if (r.adaptive.rankings > 0) {
+    const RunReport::Adaptive& a = r.adaptive;
+    Line(out, "  adaptive budgets   %.1f pages a ranking (P95 %lld, max %lld), %.1f%% at the cap, %lld rankings\n",
+         double(a.pages) / double(a.rankings), static_cast<long long>(a.pages_p95),
+         static_cast<long long>(a.pages_max), Pct(a.cap_hits, a.rankings), static_cast<long long>(a.rankings));
+  }
   Line(out, "  bytes read         K/V %s + summaries %s = %.1f%% of dense K/V %s\n", Mib(r.kv_bytes_read).c_str(),
        Mib(r.summary_bytes_read).c_str(), Pct(r.kv_bytes_read + r.summary_bytes_read, r.dense_kv_bytes),
        Mib(r.dense_kv_bytes).c_str());
@@ -1010,6 +1019,13 @@ std::string ReportJson(const RunReport& r) {
       .EndObject();
   j.Field("kv_bytes_read", r.kv_bytes_read).Field("summary_bytes_read", r.summary_bytes_read);
   j.Field("rerank_key_bytes", r.rerank_key_bytes);
+  j.BeginObject("adaptive")
+      .Field("rankings", r.adaptive.rankings)
+      .Field("pages", r.adaptive.pages)
+      .Field("pages_p95", r.adaptive.pages_p95)
+      .Field("pages_max", r.adaptive.pages_max)
+      .Field("cap_hits", r.adaptive.cap_hits)
+      .EndObject();
   j.Field("dense_kv_bytes", r.dense_kv_bytes);
   j.Field("head_pages_selected", r.head_pages_selected).Field("head_pages_total", r.head_pages_total);
   j.Field("pages_peak", uint64_t(r.pages_peak));

@@ -87,6 +87,11 @@ struct RunReport {
   int64_t kv_bytes_read = 0;       // K/V bytes sparse attention read
   int64_t summary_bytes_read = 0;  // summary bytes scoring read
   int64_t rerank_key_bytes = 0;    // key bytes the re-rank read
+  // Adaptive budgets (--unread-bound-mass): rankings the rule sized and the
+  // pages they chose beyond sink and local (mean = pages / rankings).
+  struct Adaptive {
+    int64_t rankings = 0, pages = 0, pages_p95 = 0, pages_max = 0, cap_hits = 0;
+  } adaptive;
   int64_t dense_kv_bytes = 0;      // K/V bytes dense attention would read
   // Streaming every page of every layer (K/V, all heads, at the geometry's
   // dtype) over the host link each step.
