@@ -256,12 +256,13 @@ TEST(CudaSelection, RerankMatchesCpu) {
 // Adaptive budgets (SelectionPolicy::unread_bound_mass) on the GPU: each
 // row's page count from its bound masses, between the floor and the budget;
 // the CPU backend's selections, outputs and counts. A loose share must
-// stop some rows short of the budget (else the test shows little).
+// stop some rows short of the budget (else the test shows little): at 0.6
+// and 0.8 every ranking of the last call took the budget on both backends.
 TEST(CudaSelection, AdaptiveBudgetsMatchCpu) {
   for (const Case& c : {Case{DType::kF16, GqaMode::kMax, 8, 2, 2e-3}, Case{DType::kF32, GqaMode::kMean, 8, 2, 1e-5},
                         Case{DType::kBF16, GqaMode::kMax, 16, 2, 1e-2, SummaryDType::kE4M3},
                         Case{DType::kF16, GqaMode::kMean, 6, 2, 2e-3}}) {
-    for (const double share : {0.6, 0.05}) {
+    for (const double share : {0.95, 0.05}) {
       std::ostringstream name;
       PrintTo(c, &name);
       SCOPED_TRACE(name.str() + " unread share " + std::to_string(share));
