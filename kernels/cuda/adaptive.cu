@@ -77,10 +77,13 @@ __global__ void __launch_bounds__(kThreads) AdaptiveKernel(AdaptiveParams p) {
   const int floor_k = floor_pages < 0 ? 0 : floor_pages > cap ? cap : int(floor_pages);
   const float* sc = p.scores + std::size_t(p.page_indptr[b]) * s.kv_heads + std::size_t(h) * n;
   const float scale = 1.f / sqrtf(float(s.head_dim));
+  // A padded group's mean back to the model's: x * group is exact (a power of two).
+  const bool unpad = p.mean_heads > 0 && p.mean_heads != s.group;
+  auto score = [&](int i) { return unpad ? __fdiv_rn(sc[i] * float(s.group), float(p.mean_heads)) : sc[i]; };
 
   float top = -INFINITY;
   for (int i = threadIdx.x; i < n; i += kThreads)
-    if (!Skipped(r, i)) top = MaxOf()(top, sc[i]);
+    if (!Skipped(r, i)) top = MaxOf()(top, score(i));
   top = ReduceF(tmp.reduce_f).Reduce(top, MaxOf());
   if (threadIdx.x == 0) s_top = top;
   __syncthreads();
@@ -94,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) AdaptiveKernel(AdaptiveParams p) {
   }
   double total = 0;
   for (int i = threadIdx.x; i < n; i += kThreads) {
-    const float x = sc[i];
+    const float x = score(i);
     if (!Skipped(r, i) && !isnan(x)) total += exp(double(x - top) * double(scale));
   }
   total = ReduceD(tmp.reduce_d).Sum(total);
@@ -108,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) AdaptiveKernel(AdaptiveParams p) {
   for (int u = 0; u < kItems; ++u) {
     const int j = threadIdx.x * kItems + u;
     at[u] = j;
-    key[u] = j < got ? (static_cast<unsigned long long>(Key(sc[out[r.sink + j]])) << 32) |
+    key[u] = j < got ? (static_cast<unsigned long long>(Key(score(out[r.sink + j]))) << 32) |
                            uint32_t(~uint32_t(out[r.sink + j]))
                      : 0ull;
   }
@@ -117,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) AdaptiveKernel(AdaptiveParams p) {
   double mass[kItems], read[kItems];
   for (int u = 0; u < kItems; ++u) {
     const int rank = threadIdx.x * kItems + u;
-    const float x = rank < got ? sc[out[r.sink + at[u]]] : NAN;
+    const float x = rank < got ? score(out[r.sink + at[u]]) : NAN;
     mass[u] = isnan(x) ? 0.0 : exp(double(x - top) * double(scale));
   }
   ScanD(tmp.scan_d).InclusiveSum(mass, read);
@@ -181,6 +184,8 @@ cudaError_t LaunchAdaptive(const AdaptiveParams& p, cudaStream_t stream) {
   if (s.gqa == GqaMode::kUnion || s.positions != 1 || !s.keep_scores)
     return Unsupported("adaptive select: gqa union, positions > 1 or scores not kept", s.positions, "kMax/kMean, 1");
   if (s.page_budget > kAdaptiveMaxPages) return Unsupported("adaptive page budget", s.page_budget, "1..2048 pages");
+  if (p.mean_heads < 0 || p.mean_heads > s.group || (p.mean_heads > 0 && s.gqa != GqaMode::kMean))
+    return Unsupported("adaptive mean_heads (kMean only, <= the group)", p.mean_heads, "0..group");
   AdaptiveKernel<<<s.batch * s.kv_heads, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -215,6 +215,12 @@ struct AdaptiveParams {
   int32_t* out_pages = nullptr;
   int32_t* out_count = nullptr;
   AdaptiveCounters* counters = nullptr;  // accumulated
+  // kMean over a group padded with zero query heads (a model group of
+  // mean_heads < shape.group, q padded to the power of two the kernels take):
+  // the kept scores are sums over mean_heads heads divided by shape.group, so
+  // each is scaled back to the model's mean, fl(x * group / mean_heads), as
+  // select.cc computes it, before its bound mass is weighed. 0: not padded.
+  int mean_heads = 0;
 };
 // selector/select.cc's AdaptiveK on each row the select ranked: of its top-k
 // pages by the bound, best first, the fewest (at least the floor's) whose

@@ -163,6 +163,7 @@ Status CudaBackendImpl::Enqueue(const StepArgs& s, StepPlan& p, bool capturing) 
       ad.out_pages = sp.out_pages;
       ad.out_count = sp.out_count;
       ad.counters = adaptive_counters_.as<kc::AdaptiveCounters>();
+      if (p.padded && c_.policy.gqa == GqaMode::kMean) ad.mean_heads = g_.group();  // PadQ's zero heads
       QKV_CUDA(kc::LaunchAdaptive(ad, stream_));
     }
   }

@@ -22,6 +22,9 @@ struct AdaptiveCase {
   int64_t budget;          // pages
   double share;
   int64_t floor_tokens;
+  // kMean over 3 query heads padded to 4: the kernel is given the select's
+  // sums / 4 and the definition the model's means, fl(sum / 3).
+  bool padded_mean = false;
 };
 
 void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
@@ -36,6 +39,7 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
   s.sink_pages = 1;
   s.local_pages = 4;
   s.keep_scores = true;
+  if (c.padded_mean) s.gqa = GqaMode::kMean;
   std::mt19937 rng{uint32_t(seed)};
   std::vector<int32_t> page_indptr(B + 1, 0);
   for (int b = 0; b < B; ++b) page_indptr[b + 1] = page_indptr[b] + c.pages[b];
@@ -60,6 +64,10 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
         if (kind == 2 && i % 5 == 0) sc[i] = -INFINITY;
       }
       if (kind == 3 && n > 6) sc[n / 2] = INFINITY;
+      // What the definition ranks: the model's scores (sc itself unless padded).
+      std::vector<float> model(sc, sc + n);
+      if (c.padded_mean)
+        for (int i = 0; i < n; ++i) model[i] = sc[i] / 3.f, sc[i] = sc[i] / 4.f;  // sc[i] is the group's sum
       // The select's row: sink ∪ local ∪ top-k (ties toward the lower page).
       const int sink = std::min(1, n), local = std::min(4, n);
       std::vector<uint8_t> skip(n, 0);
@@ -71,7 +79,7 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
       std::vector<int> row_pages(fixed);
       if (c.budget < n) {
         std::vector<int> chosen(n), scratch(n);
-        const int got = TopKCpu(sc, n, skip.data(), cap, chosen.data(), scratch.data());
+        const int got = TopKCpu(model.data(), n, skip.data(), cap, chosen.data(), scratch.data());
         row_pages.insert(row_pages.end(), chosen.begin(), chosen.begin() + got);
       } else {
         row_pages.resize(n);
@@ -90,7 +98,7 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
       }
       const int floor_k = int(std::clamp<int64_t>(c.floor_tokens / S - int64_t(fixed.size()), 0, cap));
       int k = 0;
-      want.push_back(questkv::test::AdaptiveDefinition(std::vector<float>(sc, sc + n), fixed, c.share, floor_k, cap,
+      want.push_back(questkv::test::AdaptiveDefinition(model, fixed, c.share, floor_k, cap,
                                                        D, &k));
       want_k.push_back(k);
       floors.push_back(floor_k);
@@ -113,6 +121,7 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
   p.out_pages = d_pages.as<int32_t>();
   p.out_count = d_count.as<int32_t>();
   p.counters = d_counters.as<AdaptiveCounters>();
+  if (c.padded_mean) p.mean_heads = 3;
   QKV_CUDA_OK(LaunchAdaptive(p, nullptr));
   QKV_CUDA_OK(cudaDeviceSynchronize());
   const auto got_pages = Download<int32_t>(d_pages, out_pages.size());
@@ -160,8 +169,21 @@ TEST(AdaptiveCudaTest, EqualsTheDefinition) {
     }
 }
 
+// A group of 3 query heads padded to 4 under kMean (the runtime's PadQ adds a
+// zero head): the kept scores are 3/4 of the model's means, which would
+// flatten every bound mass; the kernel weighs the model's means.
+TEST(AdaptiveCudaTest, PaddedMeanGroupsWeighTheModelsMeans) {
+  QKV_REQUIRE_GPU();
+  const std::vector<int> pages = {6, 40, 257, 700, 3001};
+  for (double share : {0.95, 0.5}) {  // (at 0.1 every row of these takes its 59 pages)
+    SCOPED_TRACE("share " + std::to_string(share));
+    RunAdaptiveCase({pages, 64, share, 0, /*padded_mean=*/true}, 13);
+  }
+}
+
 // Refused before any launch (no GPU needed): a share outside (0, 1), gqa
-// union, a budget past kAdaptiveMaxPages, scores not kept.
+// union, a budget past kAdaptiveMaxPages, scores not kept, mean_heads
+// outside a kMean group.
 TEST(AdaptiveCudaTest, RefusesWhatItDoesNotRun) {
   AdaptiveParams p;
   p.shape.batch = 1;
@@ -192,6 +214,13 @@ TEST(AdaptiveCudaTest, RefusesWhatItDoesNotRun) {
   EXPECT_NE(LastErrorMessage().find("adaptive page budget"), std::string::npos) << LastErrorMessage();
   q = p;
   q.scores = nullptr;
+  EXPECT_EQ(LaunchAdaptive(q, nullptr), cudaErrorInvalidValue);
+  q = p;  // a padded group's mean under kMax, or more model heads than the group
+  q.shape.group = 4;
+  q.mean_heads = 3;
+  EXPECT_EQ(LaunchAdaptive(q, nullptr), cudaErrorInvalidValue);
+  q.shape.gqa = GqaMode::kMean;
+  q.mean_heads = 5;
   EXPECT_EQ(LaunchAdaptive(q, nullptr), cudaErrorInvalidValue);
 }
 
