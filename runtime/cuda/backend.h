@@ -465,8 +465,7 @@ class CudaBackendImpl final : public DataPlane {
     uint64_t seq = 0;  // order of queuing
     int64_t step = 0;
     bool strict = false, first_head_only = false;
-    int layer = 0;
-    bool dense_layer = false;  // a layer the policy keeps dense: it selects every page every step
+    bool note = true;  // its pages were read back, for the mover to note
     int rows = 0, kv_heads = 0;
     std::vector<int32_t> sel_indptr, page_counts;  // [rows + 1], [batch]
     std::size_t o_counts = 0, o_cold_count = 0, o_cold = 0;  // pages at 0
@@ -663,13 +662,15 @@ class CudaBackendImpl final : public DataPlane {
   // host noted them.
   static constexpr int kReportsInFlight = 8;
   Report reports_[kReportsInFlight];
-  // A dense layer's pages are the hottest there are: noting all of them at
-  // every step told the mover nothing new and cost the host ~0.5 ms a call
-  // at 512K. Its reports note them once every kDenseNoteModelSteps model
-  // steps (runtime step of the last noting, per layer), far more recently
-  // than the coldest pages a demotion takes.
+  // A dense layer's pages are the hottest there are: reading all of them back
+  // and noting them at every step told the mover nothing new and cost the
+  // host ~0.5 ms a call at 512K. Its reports carry them once every
+  // kDenseNoteModelSteps model steps (runtime step of the last such report,
+  // per layer), far more recently than the coldest pages a demotion takes.
   static constexpr int64_t kDenseNoteModelSteps = 8;
   std::vector<int64_t> dense_noted_step_;
+  // Whether the report of a step of `layer` at runtime step `step` carries its pages.
+  bool ReportNotes(int layer, int64_t step);
   uint64_t report_seq_ = 0;
   uint64_t reads_queued_ = 0, reads_done_ = 0;
   std::deque<std::pair<uint64_t, cudaEvent_t>> ticket_events_;  // oldest first

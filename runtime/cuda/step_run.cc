@@ -384,7 +384,8 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
   rp.first_head_only = dense;  // each row of a dense layer selects every page
   rp.cold = p.rp.cold;
   rp.cold_count = p.rp.cold_count;
-  rp.pages = reinterpret_cast<uint32_t*>(r->dev);
+  r->note = ReportNotes(s.layer, s.step);
+  rp.pages = r->note ? reinterpret_cast<uint32_t*>(r->dev) : nullptr;
   rp.counts = reinterpret_cast<int32_t*>(r->dev + r->o_counts);
   rp.cold_out_count = reinterpret_cast<int32_t*>(r->dev + r->o_cold_count);
   rp.cold_out = reinterpret_cast<kc::ResolveRequest*>(r->dev + r->o_cold);
@@ -396,13 +397,21 @@ Status CudaBackendImpl::QueueReport(const StepArgs& s, const StepPlan& p) {
   r->step = s.step;
   r->strict = p.strict;
   r->first_head_only = dense;
-  r->layer = s.layer;
-  r->dense_layer = c_.policy.is_dense(s.layer);
   r->rows = rows;
   r->kv_heads = g_.kv_heads;
   r->sel_indptr = p.block ? p.usel_indptr : p.splan.out_indptr;
   r->page_counts = p.list_pages;
   return Status::Ok();
+}
+
+bool CudaBackendImpl::ReportNotes(int layer, int64_t step) {
+  if (!c_.policy.is_dense(layer)) return true;
+  if (dense_noted_step_.size() <= std::size_t(layer)) dense_noted_step_.resize(layer + 1, INT64_MIN);
+  int64_t& last = dense_noted_step_[layer];
+  const int64_t interval = kDenseNoteModelSteps * 2 * std::max(1, g_.layers);  // two runtime steps a call
+  if (last != INT64_MIN && step >= last && step - last < interval) return false;
+  last = step;
+  return true;
 }
 
 Status CudaBackendImpl::TakeReports(int keep, int64_t* selected) {
@@ -429,21 +438,13 @@ Status CudaBackendImpl::ApplyReport(Report& r, int64_t* selected) {
   const uint32_t* pages = reinterpret_cast<const uint32_t*>(r.host);
   const int32_t* counts = reinterpret_cast<const int32_t*>(r.host + r.o_counts);
   const int B = int(r.page_counts.size()), H = r.kv_heads;
-  bool note = true;
-  if (r.dense_layer) {
-    if (dense_noted_step_.size() <= std::size_t(r.layer)) dense_noted_step_.resize(r.layer + 1, INT64_MIN);
-    int64_t& last = dense_noted_step_[r.layer];
-    const int64_t interval = kDenseNoteModelSteps * 2 * std::max(1, g_.layers);  // two runtime steps a call
-    note = last == INT64_MIN || r.step < last || r.step - last >= interval;
-    if (note) last = r.step;
-  }
   for (int b = 0; b < B; ++b) {
     bool noted_all = false;
     for (int h = 0; h < H; ++h) {
       const int row = b * H + h;
       const int n = counts[row];
       if (selected) *selected += n;
-      if (!note || noted_all || (r.first_head_only && h > 0)) continue;
+      if (!r.note || noted_all || (r.first_head_only && h > 0)) continue;
       mover_->NoteSelected(std::span<const uint32_t>(pages + r.sel_indptr[row], std::size_t(std::max(n, 0))), r.step);
       noted_all = n == r.page_counts[b];
     }
