@@ -39,12 +39,12 @@
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
 #            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
 #   RUN-mma  any run above with --mma-scores (the select's scores on the tensor cores), named RUN-mma
-#   l3-1m-all-rrC, l3-1m-all-dense   l3-1m-all with the two-stage re-rank (--rerank C), or every
-#            layer dense
+#   l3-1m-all-rrC, l3-1m-all-adE, l3-1m-all-dense   l3-1m-all with the two-stage re-rank
+#            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
 #            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
-#   l3-512k-all-rrC, l3-512k-all-dense   l3-512k-all with the two-stage re-rank (--rerank C), or
-#            every layer dense
+#   l3-512k-all-rrC, l3-512k-all-adE, l3-512k-all-dense   l3-512k-all with the two-stage re-rank
+#            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 # PROFILE_HOST=0 drops --profile-host (its host phases and the stream's marks: events between
 # a step's calls) to time the step without them.
 set -u -o pipefail
@@ -142,22 +142,24 @@ for run in $RUNS; do
         fi
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
       done ;;
-    l3-1m-strict | l3-1m-deadline | l3-1m-all | l3-1m-all-rr* | l3-1m-all-dense)
+    l3-1m-strict | l3-1m-deadline | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
       rm -rf "$DISK" && mkdir -p "$DISK"
       hbm="--hbm-bytes 16G --cold-miss ${run#l3-1m-}"
       case $run in
         l3-1m-all) hbm="--cold-miss deadline" ;;
         l3-1m-all-rr*) hbm="--cold-miss deadline --rerank ${run#l3-1m-all-rr}" ;;
+        l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
         l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $(seq -s, 0 31)" ;;
       esac
       one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every ${RECALL_1M:-8} \
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
-    l3-512k-all | l3-512k-all-rr* | l3-512k-all-dense)
+    l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense)
       mode=""
       case $run in
         l3-512k-all-rr*) mode="--rerank ${run#l3-512k-all-rr}" ;;
+        l3-512k-all-ad*) mode="--unread-bound-mass ${run#l3-512k-all-ad}" ;;
         l3-512k-all-dense) mode="--dense-layers $(seq -s, 0 31)" ;;
       esac
       rm -rf "$DISK" && mkdir -p "$DISK"
