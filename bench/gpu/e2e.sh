@@ -43,6 +43,7 @@
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
 #            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
+#   l3-512k-deadline, l3-512k-strict   l3-512k-all's homes with 8 GiB of HBM (1/8 of the K/V)
 #   l3-512k-all-rrC, l3-512k-all-adE, l3-512k-all-dense   l3-512k-all with the two-stage re-rank
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 # PROFILE_HOST=0 drops --profile-host (its host phases and the stream's marks: events between
@@ -155,15 +156,16 @@ for run in $RUNS; do
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
-    l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense)
-      mode=""
+    l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict)
+      mode="--cold-miss deadline"
       case $run in
-        l3-512k-all-rr*) mode="--rerank ${run#l3-512k-all-rr}" ;;
-        l3-512k-all-ad*) mode="--unread-bound-mass ${run#l3-512k-all-ad}" ;;
-        l3-512k-all-dense) mode="--dense-layers $(seq -s, 0 31)" ;;
+        l3-512k-deadline | l3-512k-strict) mode="--hbm-bytes 8G --cold-miss ${run#l3-512k-}" ;;
+        l3-512k-all-rr*) mode="$mode --rerank ${run#l3-512k-all-rr}" ;;
+        l3-512k-all-ad*) mode="$mode --unread-bound-mass ${run#l3-512k-all-ad}" ;;
+        l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" ;;
       esac
       rm -rf "$DISK" && mkdir -p "$DISK"
-      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 --cold-miss deadline $mode \
+      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 $mode \
         --host-bytes ${HOST_512K:-40G} --disk-dir "$DISK" --disk-bytes ${DISK_512K:-40G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
