@@ -455,6 +455,9 @@ Status TierMover::EnsureHost(uint32_t page, uint32_t generation, int64_t step) {
       s = StartPromotion(page);
     }
     QKV_RETURN_IF_ERROR(s);
+    // The other misses queued for room read while this call waits: a
+    // `strict` step's cold pages, queued together, then read one by one.
+    QKV_RETURN_IF_ERROR(StartPending());
   }
   QKV_RETURN_IF_ERROR(WaitIdle(page));
   if (!h.host_valid) return h.error.ok() ? Status::Internal("promotion of page " + std::to_string(page) + " failed") : h.error;

@@ -203,6 +203,31 @@ TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
   CheckHomes();
 }
 
+// Under strict a step's cold misses are queued together (Prefetch), then
+// waited for one by one (EnsureHost): the first wait starts the others' reads
+// in the room its demotions made, instead of each waiting for its own.
+TEST_F(TierMoverTest, WaitingForOneMissStartsTheQueuedOnes) {
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(11 * p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  for (uint32_t p = 7; p < 11; ++p) SealPage(p, uint8_t(11 * p), 21);
+  ASSERT_EQ(host_->used(), kHostSlots);
+  for (uint32_t p : {0u, 1u, 2u}) {
+    mover_->NoteSelected(p, 22);
+    ASSERT_TRUE(mover_->Prefetch(p, /*ahead=*/false).ok());
+  }
+  ASSERT_EQ(mover_->pending_promotions(), 3u) << "the host was full: every read should wait for room";
+  ASSERT_TRUE(mover_->EnsureHost(0, 1, 22).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 0u);
+  for (uint32_t p : {0u, 1u, 2u}) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p << " was not promoted";
+  EXPECT_EQ(mover_->stats().promotions, 3);
+  for (uint32_t p : {1u, 2u}) ASSERT_TRUE(mover_->EnsureHost(p, 1, 22).ok());
+  EXPECT_EQ(mover_->stats().promotions, 3);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
   DeadlineWithThreeOnDisk(7);
   if (HasFatalFailure()) return;
