@@ -20,15 +20,11 @@ constexpr int64_t kOrderAgeModelSteps = 64;
 // host page took 411 ms for 1.3M of them (a 1M-token Llama-3-8B's host tier;
 // this machine), the partial selection and sort of the coldest 64K 50 ms.
 constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
-// Demotion writes a Pump call submits at most: kPumpWrites, or kPumpWritesBusy
-// when missed pages waited for host room since the call before. Each write
-// costs the decode thread its pre-write checksum and submit (~6 us); at 4 a
-// call the host's turnover held `deadline`'s promotions to ~4 pages a call
-// (1,794 promotions against 183,519 skipped head-pages at 512K, 8 GiB of
-// HBM, on the H100), and on the CPU backend's cold-miss run 16 while pages
-// wait skips 41% fewer head-pages than 4.
+// Demotion writes a Pump call submits at most. Each costs the decode thread
+// its pre-write checksum and submit (~6 us). 16 a call while missed pages
+// waited for host room let 57% more promotions through at 512K with 8 GiB of
+// HBM (H100) but skipped only 3% fewer head-pages, for a step 2 ms slower.
 constexpr int kPumpWrites = 4;
-constexpr int kPumpWritesBusy = 16;
 }  // namespace
 
 TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
@@ -227,20 +223,17 @@ Status TierMover::Pump(int64_t step) {
   QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
-  const bool pages_waited = !pending_.empty();
   QKV_RETURN_IF_ERROR(StartPending());
   // A quarter of the I/O queue stays free for promotions: a full queue of
   // background writes refused every deadline promotion, step after step,
   // on a 1M-token run whose host tier sat above its high-water mark. A
   // failing disk gets one probe write at a time. Each call submits at most
-  // kPumpWrites, kPumpWritesBusy while missed pages wait for host room: a
-  // write checks its page's checksum on the decode thread, and a backlog of
-  // gigabytes past the high-water mark (a long prefill) made every decode
-  // call wait for a queue's worth of them.
+  // kPumpWrites: a write checks its page's checksum on the decode thread,
+  // and a backlog of gigabytes past the high-water mark (a long prefill)
+  // made every decode call wait for a queue's worth of them.
   const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
   if (homes_used() > high_water_ * host_->capacity())
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes,
-                               pages_waited ? kPumpWritesBusy : kPumpWrites));
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, kPumpWrites));
   return Status::Ok();
 }
 

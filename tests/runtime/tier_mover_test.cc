@@ -281,52 +281,6 @@ TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
   CheckHomes();
 }
 
-// Background demotion submits a few writes a decode call, more while missed
-// pages wait for host room (each write is the decode thread's time; each
-// waiting page is attention without it).
-TEST_F(TierMoverTest, DemotionWritesMoreWhileMissedPagesWaitForRoom) {
-  constexpr uint32_t kSlots = 64;
-  mover_.reset();
-  disk_.reset();
-  auto host = SlotArena::Create(1024, kSlots, "host");
-  ASSERT_TRUE(host.ok());
-  host_ = std::move(*host);
-  auto disk = DiskTier::Open({dir_.string(), 1 << 20, g_.page_bytes()}, MakeMemoryBackend(64));
-  ASSERT_TRUE(disk.ok());
-  disk_ = std::move(*disk);
-  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, 2 * kSlots, host_.get(),
-                                       disk_.get());
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
-  for (uint32_t p = 0; p < kSlots; ++p) SealPage(p, uint8_t(3 * p), 1);
-  for (uint32_t p = 0; p < kSlots; ++p) mover_->NoteSelected(p, p + 2);
-  ASSERT_EQ(host_->used(), kSlots);
-  // No page waits: a few writes a call, coldest first.
-  ASSERT_TRUE(mover_->Pump(200).ok());
-  const int quiet = disk_->in_flight();
-  EXPECT_GT(quiet, 0);
-  ASSERT_TRUE(mover_->Pump(201).ok());  // the first writes land, as many again go out
-  ASSERT_EQ(disk_->in_flight(), quiet);
-  ASSERT_EQ(host_->used(), kSlots - uint32_t(quiet)) << "the landed writes' slots were not freed";
-  for (uint32_t p = kSlots; p < kSlots + uint32_t(quiet); ++p) SealPage(p, uint8_t(3 * p), 201);
-  ASSERT_EQ(host_->used(), kSlots);
-  // Page 0 (on disk) misses with the host full: its promotion waits.
-  ASSERT_EQ(mover_->HostHome(0), nullptr);
-  ASSERT_TRUE(mover_->Prefetch(0, /*ahead=*/false).ok());
-  ASSERT_EQ(mover_->pending_promotions(), 1u);
-  // The next call starts it in the room the landed writes left, and writes more.
-  ASSERT_TRUE(mover_->Pump(202).ok());
-  EXPECT_EQ(mover_->pending_promotions(), 0u);
-  const int busy = disk_->in_flight() - 1;  // less the promotion's read
-  EXPECT_GT(busy, quiet) << "no more writes while a missed page waited";
-  // Nothing waits any more: back to the few.
-  ASSERT_TRUE(mover_->Pump(203).ok());
-  EXPECT_EQ(disk_->in_flight(), quiet);
-  ASSERT_TRUE(mover_->Pump(204).ok());
-  EXPECT_NE(mover_->HostHome(0), nullptr);
-  CheckHomes();
-}
-
 TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   // No disk room: a tiny disk tier.
   mover_.reset();
