@@ -60,19 +60,35 @@ def main():
     speculative(runs)
 
 
+def sparse_selected(r):
+    """Head-pages the sparse layers selected: the run's total less the dense
+    layers', which select every page of the context at each step (the pages
+    of ctx + step tokens, the tail's included)."""
+    g = r["geometry"]
+    S, ctx, dense = g["page_size"], r["context_tokens"], len(r.get("dense_layers", []))
+    per_step = [dense * g["kv_heads"] * r["batch"] * ((ctx + step) // S + 1) for step in range(r["decode_steps"])]
+    return max(1, r["head_pages_selected"] - sum(per_step))
+
+
 def selection(runs):
-    """What each run selected: head-pages read (of dense), recall where sampled, adaptive budgets."""
-    hdr = ("run", "head-pages %", "recall mass", "out err", "adaptive pages mean/P95/max", "at cap %")
+    """What each run selected: head-pages read (of dense), recall where sampled, adaptive budgets, and
+    under `deadline` the head-pages attended without, as a share of all selections and of the
+    sparse layers' (the dense layers' hundreds of thousands a step would hide them)."""
+    hdr = ("run", "head-pages %", "recall mass", "out err", "adaptive pages mean/P95/max", "at cap %",
+           "skipped % (of sparse)")
     rows = []
     for name, r in runs.items():
         rec, a = r.get("recall", {}), r.get("adaptive", {})
         sampled = rec.get("samples", 0) > 0
         ranked = a.get("rankings", 0)
+        skipped = r.get("disk_events", {}).get("pages_skipped", 0)
         rows.append((name, "%.2f" % (100 * r["head_pages_selected"] / max(1, r["head_pages_total"])),
                      "%.3f" % rec["attention_mass"] if sampled else "-",
                      "%.3f" % rec["output_rel_error"] if sampled else "-",
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
-                     "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-"))
+                     "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
+                     "%.3f (%.1f)" % (100 * skipped / max(1, r["head_pages_selected"]), 100 * skipped / sparse_selected(r))
+                     if skipped else "-"))
     if not rows:
         return
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
