@@ -37,7 +37,7 @@ struct SelectInput {
   // aggregated over the group's query heads as the GQA mode says — or NaN
   // where the keys cannot be had now (the page is then ranked by its bound).
   // Null: no re-rank.
-  std::function<Status(int kv_head, std::span<const int32_t> pages, float* exact)> exact_scores;
+  std::function<Status(int kv_head, std::span<const int32_t> pages, float* exact)> exact_scores = nullptr;
   // Exact hierarchical scan (SelectionPolicy::group_pages = B): box g, laid
   // out like the summary slab ([group][Hkv][2][D]), holds every page box of
   // page_ids[g*B, (g+1)*B) — a larger box bounds a larger score, so group g's

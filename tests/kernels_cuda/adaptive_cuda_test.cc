@@ -134,7 +134,9 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
     const std::vector<int> got(got_pages.begin() + out_indptr[row], got_pages.begin() + out_indptr[row] + got_count[row]);
     ASSERT_EQ(got, want[row]) << "row " << row << " of " << c.pages[row / H] << " pages";
     for (int j = out_indptr[row] + got_count[row]; j < out_indptr[row + 1]; ++j)
-      if (j >= out_indptr[row] + out_count[row]) ASSERT_EQ(got_pages[j], -7) << "row " << row << " wrote past its capacity";
+      if (j >= out_indptr[row] + out_count[row]) {
+        ASSERT_EQ(got_pages[j], -7) << "row " << row << " wrote past its capacity";
+      }
     const int k = want_k[row];
     if (k < 0) continue;
     ++want_c.rankings;

@@ -138,7 +138,9 @@ TEST_P(Rerank, SelectsAsItsDefinition) {
       }
     }
   }
-  if (factor > 1) EXPECT_GT(differs_from_quest, 0) << "the re-rank never changed Quest's selection here";
+  if (factor > 1) {
+    EXPECT_GT(differs_from_quest, 0) << "the re-rank never changed Quest's selection here";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Factors, Rerank,

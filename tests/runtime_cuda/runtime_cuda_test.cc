@@ -294,7 +294,9 @@ TEST(CudaSelection, AdaptiveBudgetsMatchCpu) {
       EXPECT_EQ(sa.adaptive_rankings, 2) << "one ranking a KV head";
       EXPECT_EQ(sb.head_pages_selected, sa.head_pages_selected);
       EXPECT_LE(test::RelL2Error(ob.data(), oa.data(), q.size()), c.tol);
-      if (share > 0.5) EXPECT_LT(sa.adaptive_cap_hits, sa.adaptive_rankings) << "every ranking took the budget";
+      if (share > 0.5) {
+        EXPECT_LT(sa.adaptive_cap_hits, sa.adaptive_rankings) << "every ranking took the budget";
+      }
     }
   }
 }
@@ -597,7 +599,9 @@ TEST(CudaSequences, DraftBlocksMatchCpu) {
       for (int l = 0; l < g.layers; ++l) tw.Decode(seqs, l, c.tol);
     }
     EXPECT_GT(rejected_full_pages, 0) << "no rejected draft filled a page: the test shows little";
-    if (tight) EXPECT_GT(rts[2]->tier_stats().hbm_evictions, 0) << "the small HBM never evicted: the test shows little";
+    if (tight) {
+      EXPECT_GT(rts[2]->tier_stats().hbm_evictions, 0) << "the small HBM never evicted: the test shows little";
+    }
     for (std::size_t b = 0; b < seqs.size(); ++b)
       for (int l = 0; l < g.layers; ++l) {
         const auto x = rts[0]->Gather(seqs[b][0], l), y = rts[1]->Gather(seqs[b][1], l), z = rts[2]->Gather(seqs[b][2], l);

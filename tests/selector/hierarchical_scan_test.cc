@@ -133,7 +133,9 @@ TEST(HierarchicalScan, SelectsExactlyWhatTheFlatScanSelects) {
           ASSERT_EQ(grouped.sel.pages, flat.sel.pages) << "case " << cases;
           ASSERT_EQ(grouped.scores.size(), flat.scores.size());
           for (std::size_t i = 0; i < flat.scores.size(); ++i)
-            if (grouped.scores[i] != -INFINITY) ASSERT_EQ(grouped.scores[i], flat.scores[i]);
+            if (grouped.scores[i] != -INFINITY) {
+              ASSERT_EQ(grouped.scores[i], flat.scores[i]);
+            }
           ++cases;
         }
 }
