@@ -66,6 +66,16 @@ class TierMoverTest : public ::testing::Test {
     ASSERT_TRUE(mover_->Pump(21).ok());
     for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
   }
+  // The fixture's strict mover (high water 6, low water 4 of 8 slots):
+  // pages 0..6 sealed with bytes from `seed` * page, page p last selected at
+  // step p + 2; two pumps put the three coldest (0, 1, 2) on disk.
+  void StrictWithThreeOnDisk(uint8_t seed) {
+    for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(seed * p), 1);
+    for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+    ASSERT_TRUE(mover_->Pump(20).ok());
+    ASSERT_TRUE(mover_->Pump(21).ok());
+    for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  }
   // Every page's home, where readable, holds its bytes, and the listener's
   // view equals HostHome.
   void CheckHomes() {
@@ -178,11 +188,8 @@ TEST_F(TierMoverTest, ADemotionOrderLastsSixtyFourModelSteps) {
 
 TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
   // Pages 0..6 take 7 of 8 slots (high water 6); the three coldest (0, 1, 2) go to disk.
-  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(5 * p), 1);
-  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
-  ASSERT_TRUE(mover_->Pump(20).ok());
-  ASSERT_TRUE(mover_->Pump(21).ok());
-  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  StrictWithThreeOnDisk(5);
+  if (HasFatalFailure()) return;
   SealPage(7, 70, 21);
   SealPage(8, 80, 21);
   ASSERT_EQ(host_->used(), 6u);  // at the high-water mark
@@ -207,11 +214,8 @@ TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
 // waited for one by one (EnsureHost): the first wait starts the others' reads
 // in the room its demotions made, instead of each waiting for its own.
 TEST_F(TierMoverTest, WaitingForOneMissStartsTheQueuedOnes) {
-  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(11 * p), 1);
-  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
-  ASSERT_TRUE(mover_->Pump(20).ok());
-  ASSERT_TRUE(mover_->Pump(21).ok());
-  for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+  StrictWithThreeOnDisk(11);
+  if (HasFatalFailure()) return;
   for (uint32_t p = 7; p < 11; ++p) SealPage(p, uint8_t(11 * p), 21);
   ASSERT_EQ(host_->used(), kHostSlots);
   for (uint32_t p : {0u, 1u, 2u}) {
