@@ -13,8 +13,9 @@
 //   promote     disk -> host, for a cold miss: `strict` waits for it,
 //               `deadline` skips the page this step and lets it land later;
 //               a missed page whose read cannot start yet (no free host
-//               slot, a full I/O queue) waits in a queue that Pump serves,
-//               oldest first, before background demotions take the queue
+//               slot, a full I/O queue) waits in a queue that Pump (and a
+//               strict wait that made room) serves, oldest first, before
+//               background demotions take the queue
 //
 // I/O errors are bounded and surfaced, never retried forever. A page whose
 // demotion write fails keeps its host home (nothing is lost) and may be tried
@@ -108,7 +109,8 @@ class TierMover {
   // Whether the page was sealed (has a home, readable or not).
   bool sealed(uint32_t page) const { return page < homes_.size() && homes_[page].sealed; }
   // Makes the page's host home readable, promoting it from disk and waiting
-  // for it if need be (a cold miss under `strict`).
+  // for it if need be (a cold miss under `strict`); a promotion it starts
+  // also starts the queued ones that the room it made lets in.
   Status EnsureHost(uint32_t page, uint32_t generation, int64_t step);
   // The page's readable host home, or null (on disk, or mid-promotion).
   const void* HostHome(uint32_t page) const;
