@@ -153,8 +153,11 @@ void RunAdaptiveCase(const AdaptiveCase& c, uint64_t seed) {
   EXPECT_EQ(got_c.cap_hits, want_c.cap_hits);
   for (int i = 0; i <= kAdaptiveHistPages; ++i) EXPECT_EQ(got_c.hist[i], want_c.hist[i]) << "pages " << i;
   // A floor at or past a row's cap fixes its count; elsewhere some row must stop short.
-  if (floor_below_cap > 0) EXPECT_GT(below_cap, 0) << "no row stopped below its budget: the test shows little";
-  else EXPECT_EQ(got_c.cap_hits, got_c.rankings);
+  if (floor_below_cap > 0) {
+    EXPECT_GT(below_cap, 0) << "no row stopped below its budget: the test shows little";
+  } else {
+    EXPECT_EQ(got_c.cap_hits, got_c.rankings);
+  }
 }
 
 TEST(AdaptiveCudaTest, EqualsTheDefinition) {
