@@ -121,6 +121,27 @@ double MassRecall(const std::vector<double>& logits, double scale, int page_size
   return kept / total;
 }
 
+// Exact attention of one query head over the tokens of its selected pages,
+// in double (zero when none is selected).
+std::vector<double> SelectedAttention(const HeadView& hv, const std::vector<double>& logits, double scale,
+                                      int page_size, const std::vector<uint8_t>& selected) {
+  std::vector<double> out(hv.head_dim, 0.0);
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (std::size_t t = 0; t < logits.size(); ++t)
+    if (selected[t / page_size]) max_logit = std::max(max_logit, logits[t]);
+  if (max_logit == -std::numeric_limits<double>::infinity()) return out;
+  double z = 0;
+  for (std::size_t t = 0; t < logits.size(); ++t) {
+    if (!selected[t / page_size]) continue;
+    const double w = std::exp(scale * (logits[t] - max_logit));
+    z += w;
+    const float* v = hv.v + t * hv.head_dim;
+    for (int j = 0; j < hv.head_dim; ++j) out[j] += w * v[j];
+  }
+  for (double& x : out) x /= z;
+  return out;
+}
+
 // g_p = U_p − max_{t in p} q·k_t for every page of one query head.
 void Slack(const std::vector<double>& logits, int page_size, const float* scores, float* slack) {
   const int pages = NumPages(int(logits.size()), page_size);
@@ -176,6 +197,7 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
   d.slack.resize(std::size_t(g.q_heads) * pages);
   struct Head {
     double page_recall = 0, mass_recall = 0, err_sq = 0, ref_sq = 0;
+    double sel_err_sq = 0, att_err_sq = 0, sel_sq = 0;  // o_sel against dense; sparse against o_sel
   };
   std::vector<Head> heads(g.q_heads);
   ForEachHead(g.q_heads, threads, [&](int hq) {
@@ -191,22 +213,32 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
     Slack(logits, g.page_size, scores + std::size_t(hq) * pages, d.slack.data() + std::size_t(hq) * pages);
     kernels::DenseAttentionReference(hv.q, hv.k, hv.v, hv.tokens, hv.head_dim, hv.head_dim, scale,
                                      dense.data());
+    const std::vector<double> chosen = SelectedAttention(hv, logits, scale, g.page_size, selected);
     const float* sparse = sparse_out + std::size_t(hq) * g.head_dim;
     for (int j = 0; j < g.head_dim; ++j) {
       h.err_sq += (double(sparse[j]) - dense[j]) * (double(sparse[j]) - dense[j]);
       h.ref_sq += double(dense[j]) * dense[j];
+      h.sel_err_sq += (chosen[j] - dense[j]) * (chosen[j] - dense[j]);
+      h.att_err_sq += (double(sparse[j]) - chosen[j]) * (double(sparse[j]) - chosen[j]);
+      h.sel_sq += chosen[j] * chosen[j];
     }
   });
-  double err_sq = 0, ref_sq = 0;
+  double err_sq = 0, ref_sq = 0, sel_err_sq = 0, att_err_sq = 0, sel_sq = 0;
   for (const Head& h : heads) {
     d.page_recall += h.page_recall;
     d.attention_mass_recall += h.mass_recall;
     err_sq += h.err_sq;
     ref_sq += h.ref_sq;
+    sel_err_sq += h.sel_err_sq;
+    att_err_sq += h.att_err_sq;
+    sel_sq += h.sel_sq;
   }
+  auto relative = [](double e, double r) { return r > 0 ? std::sqrt(e / r) : std::sqrt(e); };
   d.page_recall /= g.q_heads;
   d.attention_mass_recall /= g.q_heads;
-  d.output_rel_error = ref_sq > 0 ? std::sqrt(err_sq / ref_sq) : std::sqrt(err_sq);
+  d.output_rel_error = relative(err_sq, ref_sq);
+  d.selection_rel_error = relative(sel_err_sq, ref_sq);
+  d.attended_rel_error = relative(att_err_sq, sel_sq);
   SlackStats(&d);
   return d;
 }

@@ -17,6 +17,13 @@ struct StepDiagnostics {
   double attention_mass_recall = 0;
   // ||o_sparse − o_dense|| / ||o_dense|| over all query heads.
   double output_rel_error = 0;
+  // What the selection alone costs: ||o_sel − o_dense|| / ||o_dense||, o_sel
+  // the exact attention over the tokens of the selected pages (zero for a
+  // KV head that selected none).
+  double selection_rel_error = 0;
+  // What the step lost beyond its selection — pages it attended without
+  // (`deadline`'s cold misses), and rounding: ||o_sparse − o_sel|| / ||o_sel||.
+  double attended_rel_error = 0;
   // Page slack g_p = U_p − max_{k in p} q·k (unscaled), per query head and page,
   // [Hq][num_pages]; never negative beyond rounding.
   std::vector<float> slack;

@@ -73,8 +73,11 @@ def sparse_selected(r):
 def selection(runs):
     """What each run selected: head-pages read (of dense), recall where sampled, adaptive budgets, and
     under `deadline` the head-pages attended without, as a share of all selections and of the
-    sparse layers' (the dense layers' hundreds of thousands a step would hide them)."""
-    hdr = ("run", "head-pages %", "recall mass", "out err", "adaptive pages mean/P95/max", "at cap %",
+    sparse layers' (the dense layers' hundreds of thousands a step would hide them). The output
+    error splits into the selection's own (exact attention over the selected pages, against dense)
+    and the attended output's against that (what skipped pages and rounding cost)."""
+    hdr = ("run", "head-pages %", "recall mass", "out err (selection / attended)", "adaptive pages mean/P95/max",
+           "at cap %",
            "skipped % (of sparse)")
     rows = []
     for name, r in runs.items():
@@ -84,7 +87,8 @@ def selection(runs):
         skipped = r.get("disk_events", {}).get("pages_skipped", 0)
         rows.append((name, "%.2f" % (100 * r["head_pages_selected"] / max(1, r["head_pages_total"])),
                      "%.3f" % rec["attention_mass"] if sampled else "-",
-                     "%.3f" % rec["output_rel_error"] if sampled else "-",
+                     "%.3f (%.3f / %.1e)" % (rec["output_rel_error"], rec.get("selection_rel_error", float("nan")),
+                                             rec.get("attended_rel_error", float("nan"))) if sampled else "-",
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
                      "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
                      "%.3f (%.1f)" % (100 * skipped / max(1, r["head_pages_selected"]), 100 * skipped / sparse_selected(r))

@@ -219,9 +219,40 @@ TEST(Diagnose, PartialSelectionMatchesBruteForce) {
         EXPECT_NEAR(r->page_recall, recall / g.q_heads, 1e-12);
         EXPECT_NEAR(r->attention_mass_recall, mass / g.q_heads, 1e-9);
         EXPECT_NEAR(r->output_rel_error, std::sqrt(err / ref), 1e-5);
+        // The sparse output attends exactly the selection: nothing lost beyond it.
+        EXPECT_NEAR(r->selection_rel_error, std::sqrt(err / ref), 1e-5);
+        EXPECT_LT(r->attended_rel_error, 1e-5);
         EXPECT_NEAR(r->slack_max, slack_max, 1e-4);
         EXPECT_NEAR(r->slack_mean, slack_sum / (g.q_heads * pages), 1e-4);
       }
+}
+
+// A step that attends without some selected pages (deadline's cold misses):
+// the selection's own error stays, the loss shows as the attended error
+// against exact attention over the whole selection.
+TEST(Diagnose, PagesAttendedWithoutShowAsAttendedError) {
+  for (int group : {1, 4}) {
+    const Geometry g = MakeGeometry(2 * group, 2, 8, 16);
+    const int tokens = 12 * 8 + 5;
+    const Step s = RandomStep(g, tokens, 31 + group);
+    const std::vector<std::vector<int>> rows = {{0, 3, 4, 7, 12}, {1, 2, 5, 9, 12}};
+    std::vector<std::vector<int>> attended = rows;
+    for (auto& row : attended) row.erase(row.begin() + 1);  // one selected page skipped a head
+    const auto full = SparseOut(s, rows), skipped = SparseOut(s, attended);
+    auto a = Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), full.data(), 4);
+    auto b = Diagnose(g, s.q.data(), s.kv, SelectionOf(rows), s.scores.data(), skipped.data(), 4);
+    ASSERT_TRUE(a.ok() && b.ok());
+    double err = 0, ref = 0;
+    for (std::size_t i = 0; i < full.size(); ++i) {
+      err += (double(skipped[i]) - full[i]) * (double(skipped[i]) - full[i]);
+      ref += double(full[i]) * full[i];
+    }
+    ASSERT_GT(std::sqrt(err / ref), 1e-3) << "the skipped pages must matter for this test to mean anything";
+    EXPECT_EQ(b->selection_rel_error, a->selection_rel_error);
+    EXPECT_NEAR(b->attended_rel_error, std::sqrt(err / ref), 1e-5);
+    EXPECT_LT(a->attended_rel_error, 1e-5);
+    EXPECT_EQ(b->page_recall, a->page_recall);  // recall judges the selection
+  }
 }
 
 // Query heads spread over threads: every figure equals the one-thread run
@@ -246,6 +277,8 @@ TEST(Diagnose, ThreadsDoNotChangeTheResult) {
     EXPECT_EQ(r->page_recall, one->page_recall) << threads;
     EXPECT_EQ(r->attention_mass_recall, one->attention_mass_recall) << threads;
     EXPECT_EQ(r->output_rel_error, one->output_rel_error) << threads;
+    EXPECT_EQ(r->selection_rel_error, one->selection_rel_error) << threads;
+    EXPECT_EQ(r->attended_rel_error, one->attended_rel_error) << threads;
     EXPECT_EQ(r->slack, one->slack) << threads;
     EXPECT_EQ(exact->tokens, exact_one->tokens) << threads;
     EXPECT_EQ(exact->pages_read, exact_one->pages_read) << threads;

@@ -150,6 +150,13 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   }
   EXPECT_EQ(skipped_steps, rc->tiers.pages_skipped);
   EXPECT_NE(ReportJson(*rc).find("\"pages_skipped\":"), std::string::npos);
+  // What the skips cost where they happen: the same selections (and their
+  // error against dense), but outputs off the exact attention over them,
+  // which strict's outputs match to rounding.
+  EXPECT_LT(rb->attended_rel_error, 1e-5);
+  EXPECT_NEAR(rb->selection_rel_error, rb->output_rel_error, 1e-5);
+  EXPECT_NEAR(rc->selection_rel_error, rb->selection_rel_error, 1e-9);
+  EXPECT_GT(rc->attended_rel_error, 1e-2);
 }
 
 // Diagnosing a subset of layers: the samples are those layers' (step,

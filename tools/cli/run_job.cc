@@ -297,6 +297,7 @@ void AddDiff(RunReport::Links& acc, const RunReport::Links& after, const RunRepo
 // summed over its sequences.
 struct LayerDiagnostics {
   double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
+  double selection_rel_error = 0, attended_rel_error = 0;
   int sequences = 0;
 };
 
@@ -351,6 +352,8 @@ class Diagnostics {
             d.page_recall += s.page_recall;
             d.attention_mass_recall += s.attention_mass_recall;
             d.output_rel_error += s.output_rel_error;
+            d.selection_rel_error += s.selection_rel_error;
+            d.attended_rel_error += s.attended_rel_error;
             d.slack_mean += s.slack_mean;
             d.read_fraction += read / double(exact.pages_read.size());
             ++d.sequences;
@@ -375,6 +378,8 @@ class Diagnostics {
     r.page_recall += d.page_recall;
     r.attention_mass_recall += d.attention_mass_recall;
     r.output_rel_error += d.output_rel_error;
+    r.selection_rel_error += d.selection_rel_error;
+    r.attended_rel_error += d.attended_rel_error;
     r.slack_mean += d.slack_mean;
     r.exact_pages_read_fraction += d.read_fraction;
     r.diagnosed += d.sequences;
@@ -694,6 +699,8 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     r.page_recall /= n;
     r.attention_mass_recall /= n;
     r.output_rel_error /= n;
+    r.selection_rel_error /= n;
+    r.attended_rel_error /= n;
     r.slack_mean /= n;
     r.exact_pages_read_fraction /= n;
   }
@@ -924,6 +931,8 @@ std::string FormatReport(const RunReport& r) {
     }
     Line(out, "  recall (%d samples) page %.4f, attention mass %.4f, output rel. error %.2e (every %d steps, %s)\n",
          r.diagnosed, r.page_recall, r.attention_mass_recall, r.output_rel_error, o.recall_every, layers.c_str());
+    Line(out, "  output error       of the selection %.2e; attended against the selection %.2e\n",
+         r.selection_rel_error, r.attended_rel_error);
     Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
          r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
   }
@@ -1035,6 +1044,8 @@ std::string ReportJson(const RunReport& r) {
       .Field("page", r.page_recall)
       .Field("attention_mass", r.attention_mass_recall)
       .Field("output_rel_error", r.output_rel_error)
+      .Field("selection_rel_error", r.selection_rel_error)
+      .Field("attended_rel_error", r.attended_rel_error)
       .Field("slack_mean", r.slack_mean)
       .Field("exact_pages_read_fraction", r.exact_pages_read_fraction)
       .Field("every", o.recall_every)

@@ -112,6 +112,10 @@ struct RunReport {
   // Means over sampled steps, sparse layers and sequences.
   int diagnosed = 0;               // (step, layer, sequence) triples diagnosed
   double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0;
+  // The output error of exact attention over the selected pages (what the
+  // selection costs), and the output's error against it (what attending
+  // without `deadline`'s skipped pages, and rounding, cost).
+  double selection_rel_error = 0, attended_rel_error = 0;
   double slack_mean = 0;
   double exact_pages_read_fraction = 0;  // branch-and-bound pages read / pages
   uint64_t output_digest = 0;      // FNV-1a over every decode output, in order
