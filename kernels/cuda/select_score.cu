@@ -343,7 +343,8 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelLanes(SelectParams
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
   for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
-    const auto [b, first, n, h, i_begin] = FindLaneUnit(p, k, unit);
+    const LaneUnitAt u = FindLaneUnit(p, k, unit);  // not a structured binding: the lambdas capture these
+    const int b = u.b, first = u.first, n = u.n, h = u.h, i_begin = u.i_begin;
     const RowPolicy pol = PolicyFor(s, n);
     if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
     const int i_end = min(n, i_begin + unit);
@@ -518,7 +519,8 @@ __global__ void __launch_bounds__(kLaneWarps * 32) ScoreKernelMma(SelectParams p
   const QT* q_all = static_cast<const QT*>(p.q);
   const unsigned char* slab = static_cast<const unsigned char*>(p.summaries);
   for (long long k = (long long)blockIdx.x * kLaneWarps + warp; k < units; k += (long long)gridDim.x * kLaneWarps) {
-    const auto [b, first, n, h, i_begin] = FindLaneUnit(p, k, unit);
+    const LaneUnitAt u = FindLaneUnit(p, k, unit);  // not a structured binding: the lambdas capture these
+    const int b = u.b, first = u.first, n = u.n, h = u.h, i_begin = u.i_begin;
     const RowPolicy pol = PolicyFor(s, n);
     if (i_begin >= n || pol.all) continue;  // idle unit, or a row choosing every page
     const int i_end = min(n, i_begin + unit);
