@@ -61,18 +61,28 @@ __device__ __forceinline__ float StoreScores(const SelectShape& s, float* scores
   return agg;
 }
 
+// Padding after each head-page row that a score kernel stages in shared
+// memory. A multiple of 32 bytes: a cp.async whose shared destination is not
+// on the 32-byte alignment of its global source reads that sector twice
+// through the L2. With 16 bytes every other row was off: measured on an H100
+// (bench/results/2026-12-06-gpu-h100-score-cp-async-alignment.md), 32 bytes
+// took the L2 read sectors from 101.1 to 67.5 M (staged kernel, Llama-2-7B,
+// batch 16, 128K; DRAM's 67.2 M) and from 25.3 to 16.9 M (lanes kernel,
+// Llama-3-8B), the select 1-4% faster, though the staged kernel's 16-byte
+// reads of rows 18 pieces apart now meet 2-way bank conflicts.
+constexpr int kSmemRowPad = 32;
+
 // The score kernel's warp-private tiles: per phase, 8 pieces of 16 bytes of
 // a head-page's min and the same 8 of its max (kPhaseDims dimensions), for
-// the warp's 32 head-pages; rows padded by 16 bytes (an odd number of pieces
-// apart: no bank conflicts when each lane reads its own row).
+// the warp's 32 head-pages; rows padded by 32 bytes (kSmemRowPad).
 template <typename SumT>
 struct Tile {
   static constexpr int kEP = 16 / sizeof(SumT);  // elements per piece
   static constexpr int kPhaseDims = 8 * kEP;
-  static constexpr int kStride = 16 * 16 + 16;   // bytes per head-page row
-  static constexpr int kBytes = 32 * kStride;    // one buffer of one warp
+  static constexpr int kStride = 16 * 16 + kSmemRowPad;  // bytes per head-page row
+  static constexpr int kBytes = 32 * kStride;            // one buffer of one warp
 };
-constexpr int kScoreWarps = 2;        // per block: 2 x 2 buffers x 8.5 KiB, static shared memory
+constexpr int kScoreWarps = 2;        // per block: 2 x 2 buffers x 9 KiB, static shared memory
 constexpr std::size_t kStagedMinHeadPages = std::size_t(1) << 18;  // G >= 4: below, ScoreKernelDirect
 
 // The score kernels walk slots. Without kChunked a slot is an item (item =
@@ -196,8 +206,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) ScoreKernel(SelectParams p, 
       if (cur.valid) {
         const unsigned char* row = tiles[warp][nb] + lane * T::kStride;
         // E4M3: the pieces of min and max holding chunks c and c + 1 (c
-        // even), each read once: a lane's 16-byte reads of the padded rows
-        // are conflict-free, 8-byte ones 2-way.
+        // even), each read once.
         [[maybe_unused]] uint4 piece_mn, piece_mx;
 #pragma unroll
         for (int c = 0; c < T::kPhaseDims / 8; ++c) {
@@ -267,15 +276,15 @@ __global__ void __launch_bounds__(256) ScoreKernelDirect(SelectParams p, float* 
 // G * D / 8 query values stay in registers for the whole unit; the eight
 // partial sums are then added by three butterfly shuffles (SumGroup8). The summaries come
 // through a per-warp ring of kLaneStages shared-memory stages (each the next
-// four head-pages, coalesced 16-byte cp.async pieces, rows padded by 16
-// bytes: conflict-free 2-byte reads), so a warp's next copies are in flight
+// four head-pages, coalesced 16-byte cp.async pieces, rows padded by
+// kSmemRowPad: conflict-free 2-byte reads), so a warp's next copies are in flight
 // while it scores. Measured on the H200 against the direct and staged
 // kernels, same scores bit for bit (bench/results/2026-12-02-gpu-llama3-select-attention-splits.md):
 // Llama-3-8B b16 128K 241 -> 201 us, b16 1M 1830 -> 1494 us, b1 1M 137 -> 104 us.
 constexpr int kLaneStages = 2;  // 3 and 4 stages measured no faster
 constexpr int kLaneWarps = 8;
 template <typename SumT, int D>
-constexpr int kLaneRow = 2 * D * int(sizeof(SumT)) + 16;  // bytes of a head-page's row in a stage
+constexpr int kLaneRow = 2 * D * int(sizeof(SumT)) + kSmemRowPad;  // bytes of a head-page's row in a stage
 constexpr int kLaneUnitMax = 128;  // pages; LaneUnit's largest
 // The rings, then each warp's table of its unit's summary offsets.
 template <typename SumT, int D>
