@@ -44,6 +44,8 @@
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
 #            $HOST_512K (40G) pinned host and $DISK_512K (40G) of disk
 #   l3-512k-deadline, l3-512k-strict   l3-512k-all's homes with 8 GiB of HBM (1/8 of the K/V)
+#            (the 512K runs sample recall every $RECALL_512K steps, default 0: none, at layers
+#            $RECALL_LAYERS_512K, default 2,31)
 #   l3-512k-all-rrC, l3-512k-all-adE, l3-512k-all-dense   l3-512k-all with the two-stage re-rank
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 # PROFILE_HOST=0 drops --profile-host (its host phases and the stream's marks: events between
@@ -165,7 +167,8 @@ for run in $RUNS; do
         l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" ;;
       esac
       rm -rf "$DISK" && mkdir -p "$DISK"
-      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every 0 $mode \
+      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every ${RECALL_512K:-0} \
+        --recall-layers ${RECALL_LAYERS_512K:-2,31} $mode \
         --host-bytes ${HOST_512K:-40G} --disk-dir "$DISK" --disk-bytes ${DISK_512K:-40G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
