@@ -121,24 +121,19 @@ double MassRecall(const std::vector<double>& logits, double scale, int page_size
   return kept / total;
 }
 
-// Exact attention of one query head over the tokens of its selected pages,
-// in double (zero when none is selected).
-std::vector<double> SelectedAttention(const HeadView& hv, const std::vector<double>& logits, double scale,
-                                      int page_size, const std::vector<uint8_t>& selected) {
-  std::vector<double> out(hv.head_dim, 0.0);
-  double max_logit = -std::numeric_limits<double>::infinity();
-  for (std::size_t t = 0; t < logits.size(); ++t)
-    if (selected[t / page_size]) max_logit = std::max(max_logit, logits[t]);
-  if (max_logit == -std::numeric_limits<double>::infinity()) return out;
-  double z = 0;
-  for (std::size_t t = 0; t < logits.size(); ++t) {
-    if (!selected[t / page_size]) continue;
-    const double w = std::exp(scale * (logits[t] - max_logit));
-    z += w;
-    const float* v = hv.v + t * hv.head_dim;
-    for (int j = 0; j < hv.head_dim; ++j) out[j] += w * v[j];
+// Exact attention of one query head over the tokens of its selected pages
+// (zero when none is selected): DenseAttentionReference over those tokens,
+// gathered.
+std::vector<float> SelectedAttention(const HeadView& hv, double scale, const std::vector<uint8_t>& selected) {
+  std::vector<float> k, v, out(hv.head_dim);
+  for (int t = 0; t < hv.tokens; ++t) {
+    if (!selected[t / hv.page_size]) continue;
+    const std::size_t at = std::size_t(t) * hv.head_dim;
+    k.insert(k.end(), hv.k + at, hv.k + at + hv.head_dim);
+    v.insert(v.end(), hv.v + at, hv.v + at + hv.head_dim);
   }
-  for (double& x : out) x /= z;
+  kernels::DenseAttentionReference(hv.q, k.data(), v.data(), int(k.size() / hv.head_dim), hv.head_dim, hv.head_dim,
+                                   scale, out.data());
   return out;
 }
 
@@ -213,14 +208,14 @@ Result<StepDiagnostics> Diagnose(const Geometry& g, const float* q, const DenseV
     Slack(logits, g.page_size, scores + std::size_t(hq) * pages, d.slack.data() + std::size_t(hq) * pages);
     kernels::DenseAttentionReference(hv.q, hv.k, hv.v, hv.tokens, hv.head_dim, hv.head_dim, scale,
                                      dense.data());
-    const std::vector<double> chosen = SelectedAttention(hv, logits, scale, g.page_size, selected);
+    const std::vector<float> chosen = SelectedAttention(hv, scale, selected);
     const float* sparse = sparse_out + std::size_t(hq) * g.head_dim;
     for (int j = 0; j < g.head_dim; ++j) {
       h.err_sq += (double(sparse[j]) - dense[j]) * (double(sparse[j]) - dense[j]);
       h.ref_sq += double(dense[j]) * dense[j];
-      h.sel_err_sq += (chosen[j] - dense[j]) * (chosen[j] - dense[j]);
+      h.sel_err_sq += (double(chosen[j]) - dense[j]) * (double(chosen[j]) - dense[j]);
       h.att_err_sq += (double(sparse[j]) - chosen[j]) * (double(sparse[j]) - chosen[j]);
-      h.sel_sq += chosen[j] * chosen[j];
+      h.sel_sq += double(chosen[j]) * chosen[j];
     }
   });
   double err_sq = 0, ref_sq = 0, sel_err_sq = 0, att_err_sq = 0, sel_sq = 0;
