@@ -70,15 +70,26 @@ def sparse_selected(r):
     return max(1, r["head_pages_selected"] - sum(per_step))
 
 
+def sampled_skips(calls):
+    """Skipped of selected head-pages at the diagnosed calls, and the mean attended error of those that skipped."""
+    selected = sum(c["head_pages_selected"] for c in calls)
+    if not selected:
+        return "-"
+    skipping = [c["attended_rel_error"] for c in calls if c["head_pages_skipped"] > 0]
+    return "%.2f (%s)" % (100 * sum(c["head_pages_skipped"] for c in calls) / selected,
+                          "%.1e" % (sum(skipping) / len(skipping)) if skipping else "-")
+
+
 def selection(runs):
     """What each run selected: head-pages read (of dense), recall where sampled, adaptive budgets, and
     under `deadline` the head-pages attended without, as a share of all selections and of the
     sparse layers' (the dense layers' hundreds of thousands a step would hide them). The output
     error splits into the selection's own (exact attention over the selected pages, against dense)
-    and the attended output's against that (what skipped pages and rounding cost)."""
+    and the attended output's against that (what skipped pages and rounding cost); at the sampled
+    calls, the share of selected head-pages skipped and the attended error of the calls that skipped."""
     hdr = ("run", "head-pages %", "recall mass", "out err (selection / attended)", "adaptive pages mean/P95/max",
            "at cap %",
-           "skipped % (of sparse)")
+           "skipped % (of sparse)", "sampled: skipped % (err)")
     rows = []
     for name, r in runs.items():
         rec, a = r.get("recall", {}), r.get("adaptive", {})
@@ -92,7 +103,7 @@ def selection(runs):
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
                      "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
                      "%.3f (%.1f)" % (100 * skipped / max(1, r["head_pages_selected"]), 100 * skipped / sparse_selected(r))
-                     if skipped else "-"))
+                     if skipped else "-", sampled_skips(rec.get("calls", []))))
     if not rows:
         return
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]

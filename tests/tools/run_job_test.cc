@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 namespace questkv::cli {
 namespace {
 
@@ -157,6 +159,40 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_NEAR(rb->selection_rel_error, rb->output_rel_error, 1e-5);
   EXPECT_NEAR(rc->selection_rel_error, rb->selection_rel_error, 1e-9);
   EXPECT_GT(rc->attended_rel_error, 1e-2);
+  // Call by call (steps 0 and 3, sparse layers 1 and 2): strict skips
+  // nothing; deadline's skips sit in its steps' counts, and the calls that
+  // skipped carry the attended error while the others match to rounding.
+  ASSERT_EQ(rb->diagnosed_calls.size(), 4u);
+  ASSERT_EQ(rc->diagnosed_calls.size(), 4u);
+  for (const RunReport::DiagnosedCall& c : rb->diagnosed_calls) {
+    EXPECT_EQ(c.head_pages_skipped, 0);
+    EXPECT_LT(c.attended_rel_error, 1e-5);
+  }
+  double attended = 0, attended_skipping = 0;
+  int skipping = 0;
+  std::map<int64_t, int64_t> skipped_by_step;
+  for (std::size_t i = 0; i < rc->diagnosed_calls.size(); ++i) {
+    const RunReport::DiagnosedCall& c = rc->diagnosed_calls[i];
+    const RunReport::DiagnosedCall& strict = rb->diagnosed_calls[i];
+    EXPECT_EQ(c.step, strict.step);
+    EXPECT_EQ(c.layer, strict.layer);
+    EXPECT_EQ(c.head_pages_selected, strict.head_pages_selected);  // the same selections
+    EXPECT_GT(c.head_pages_selected, 0);
+    EXPECT_LE(c.head_pages_skipped, c.head_pages_selected);
+    skipped_by_step[c.step] += c.head_pages_skipped;
+    attended += c.attended_rel_error;
+    if (c.head_pages_skipped > 0) {
+      ++skipping;
+      attended_skipping += c.attended_rel_error;
+    } else {
+      EXPECT_LT(c.attended_rel_error, 1e-5);
+    }
+  }
+  for (const auto& [step, skipped] : skipped_by_step) EXPECT_LE(skipped, rc->steps[std::size_t(step)].pages_skipped);
+  ASSERT_GT(skipping, 0);
+  EXPECT_GT(attended_skipping / skipping, 1e-2);
+  EXPECT_NEAR(attended / 4, rc->attended_rel_error, 1e-9);  // every call diagnoses both sequences
+  EXPECT_NE(ReportJson(*rc).find("\"calls\":[{\"step\":0,\"layer\":1,"), std::string::npos);
 }
 
 // Diagnosing a subset of layers: the samples are those layers' (step,

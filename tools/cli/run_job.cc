@@ -177,6 +177,17 @@ Status PrefillOnGpu(Runtime& rt, const RunOptions& o, const Batch& batch) {
 // With `block` > 0, a speculative block: each sequence's last token and
 // drafts (`block` rows of K/V and queries) appended with AppendDraftDevice
 // and verified by DecodeBlockDevice.
+//
+// A diagnosed step runs the same calls; a diagnosed layer's decode call
+// asks for its selections (so it returns with its work done) and counts
+// the head-pages it skipped from the tier counters read around it (reading
+// them waits for the calls before it). The other layers stay enqueued.
+struct DeviceDiagnosis {
+  int layer = 0;
+  std::vector<PageSelection> sels;
+  int64_t skipped = 0;
+};
+
 class DeviceStep {
  public:
 #if QUESTKV_HAVE_CUDA
@@ -209,7 +220,11 @@ class DeviceStep {
 
   // Uploads the staged inputs, then runs and times the step (seconds);
   // *enqueue_s gets the host's share: until the last call returned.
-  Result<double> Run(Runtime& rt, const Batch& batch, AttendStats& stats, double* append_us, double* enqueue_s) {
+  // `diagnosed` (single tokens only), in layer order, is filled in.
+  Result<double> Run(Runtime& rt, const Batch& batch, AttendStats& stats, double* append_us, double* enqueue_s,
+                     std::vector<DeviceDiagnosis>* diagnosed = nullptr) {
+    if (diagnosed && !diagnosed->empty() && block_ > 0)
+      return Status::Unimplemented("recall diagnostics of speculative blocks");
     const auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
     if (cudaMemcpyAsync(dev_, host_, bytes_, cudaMemcpyHostToDevice, stream) != cudaSuccess)
       return Status::Internal("decode step upload failed");
@@ -219,6 +234,7 @@ class DeviceStep {
     const auto t0 = std::chrono::steady_clock::now();
     const int n = std::max(block_, 1);
     const std::vector<int> blocks(batch_, n);
+    std::size_t next = 0;  // the next entry of `diagnosed`
     for (int layer = 0; layer < g_.layers; ++layer) {
       const auto a0 = std::chrono::steady_clock::now();
       for (int b = 0; b < batch_; ++b) {
@@ -230,6 +246,13 @@ class DeviceStep {
       *append_us += 1e6 * std::chrono::duration<double>(std::chrono::steady_clock::now() - a0).count();
       void* q = At(dev_, layer, 2 * row_);
       void* out = At(dev_, layer, 2 * row_ + qrow_);
+      if (diagnosed && next < diagnosed->size() && (*diagnosed)[next].layer == layer) {
+        DeviceDiagnosis& d = (*diagnosed)[next++];
+        const int64_t before = rt.tier_stats().pages_skipped;
+        QKV_RETURN_IF_ERROR(rt.DecodeAttentionDevice(batch.ids, layer, q, out, &d.sels, &stats));
+        d.skipped = rt.tier_stats().pages_skipped - before;
+        continue;
+      }
       QKV_RETURN_IF_ERROR(block_ > 0 ? rt.DecodeBlockDevice(batch.ids, blocks, layer, q, out, &stats)
                                      : rt.DecodeAttentionDevice(batch.ids, layer, q, out, nullptr, &stats));
     }
@@ -266,7 +289,9 @@ class DeviceStep {
   DeviceStep(const Geometry&, int, int = 0) {}
   Status Init() { return Status::Unimplemented("decode on device pointers needs a CUDA build"); }
   void Stage(int, const float*, const float*, const float*) {}
-  Result<double> Run(Runtime&, const Batch&, AttendStats&, double*, double*) { return Init(); }
+  Result<double> Run(Runtime&, const Batch&, AttendStats&, double*, double*, std::vector<DeviceDiagnosis>* = nullptr) {
+    return Init();
+  }
   Status Outputs(Runtime&, std::vector<float>&) { return Init(); }
 #endif
 };
@@ -299,6 +324,7 @@ struct LayerDiagnostics {
   double page_recall = 0, attention_mass_recall = 0, output_rel_error = 0, slack_mean = 0, read_fraction = 0;
   double selection_rel_error = 0, attended_rel_error = 0;
   int sequences = 0;
+  RunReport::DiagnosedCall call;  // its errors: means over the sequences
 };
 
 // A diagnosed step's recall diagnostics, after the step (outside its timing;
@@ -320,8 +346,10 @@ class Diagnostics {
     for (auto& f : inflight_) f.wait();
   }
 
-  Status Add(Runtime& rt, const RunOptions& o, const Batch& batch, int layer, const float* q, const float* out,
-             const std::vector<PageSelection>& sels, RunReport& r) {
+  // `call` names the diagnosed call (step, layer) and holds what it selected and skipped.
+  Status Add(Runtime& rt, const RunOptions& o, const Batch& batch, const RunReport::DiagnosedCall& call,
+             const float* q, const float* out, const std::vector<PageSelection>& sels, RunReport& r) {
+    const int layer = call.layer;
     const Geometry& g = o.config.geometry;
     const std::size_t qstride = std::size_t(g.q_heads) * g.head_dim;
     const std::size_t B = batch.ids.size();
@@ -334,10 +362,11 @@ class Diagnostics {
       QKV_ASSIGN_OR_RETURN((*scores)[b], rt.Scores(batch.ids[b], layer, q + b * qstride));
     }
     inflight_.push_back(std::async(
-        std::launch::async, [g, top_r = o.top_r, threads = head_threads_, views, scores, sels,
+        std::launch::async, [g, top_r = o.top_r, threads = head_threads_, views, scores, sels, call,
                              qv = std::vector<float>(q, q + B * qstride),
                              ov = std::vector<float>(out, out + B * qstride), qstride]() -> Result<LayerDiagnostics> {
           LayerDiagnostics d;
+          d.call = call;
           for (std::size_t b = 0; b < views->size(); ++b) {
             const DenseView& view = (*views)[b];
             const float* sc = (*scores)[b].data();
@@ -357,6 +386,10 @@ class Diagnostics {
             d.slack_mean += s.slack_mean;
             d.read_fraction += read / double(exact.pages_read.size());
             ++d.sequences;
+          }
+          if (d.sequences > 0) {
+            d.call.selection_rel_error = d.selection_rel_error / d.sequences;
+            d.call.attended_rel_error = d.attended_rel_error / d.sequences;
           }
           return d;
         }));
@@ -383,6 +416,7 @@ class Diagnostics {
     r.slack_mean += d.slack_mean;
     r.exact_pages_read_fraction += d.read_fraction;
     r.diagnosed += d.sequences;
+    r.diagnosed_calls.push_back(d.call);
     return Status::Ok();
   }
 
@@ -532,9 +566,14 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   for (int64_t len : batch.lengths) longest = std::max(longest, len + o.decode_steps);
   Diagnostics diagnostics(std::size_t(B) * 2 * std::size_t(longest) * row * sizeof(float));
   struct Deferred {
-    int layer;
+    RunReport::DiagnosedCall call;
     std::vector<float> q, out;
     std::vector<PageSelection> sels;
+  };
+  auto head_pages = [](const std::vector<PageSelection>& sels) {
+    int64_t n = 0;
+    for (const PageSelection& s : sels) n += int64_t(s.pages.size());
+    return n;
   };
   std::vector<Deferred> deferred;
   Progress bar("decode", o.decode_steps, o.progress);
@@ -597,8 +636,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
   };
   for (int64_t step = 0; step < o.decode_steps; ++step) {
     const bool diagnose = o.recall_every > 0 && step % o.recall_every == 0;
-    // Diagnosed steps go through the host calls: they need the selections.
-    const bool on_device = device && !diagnose;
+    const bool on_device = device != nullptr;
     stats.time_phases = timed_step(step);
     timed_steps += stats.time_phases;
     double step_seconds = 0;
@@ -606,30 +644,46 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     const int64_t graphs_before = stats.graphs_captured;
     const int64_t comparison_hits_before = comparison_hits, comparison_misses_before = comparison_misses;
     if (on_device) {
+      std::vector<DeviceDiagnosis> diagnosed;
+      std::vector<std::vector<float>> diagnosed_q;
       for (int layer = 0; layer < g.layers; ++layer) {
         generate(layer, step);
         device->Stage(layer, k.data(), v.data(), q.data());
+        if (diagnose && diagnosed_layer(layer)) {
+          diagnosed.push_back({layer, {}, 0});
+          diagnosed_q.push_back(q);
+        }
       }
       double enqueue_s = 0;
-      QKV_ASSIGN_OR_RETURN(step_seconds, device->Run(rt, batch, stats, &append_us, &enqueue_s));
-      enqueue_steps.push_back(1e6 * enqueue_s);
+      QKV_ASSIGN_OR_RETURN(step_seconds, device->Run(rt, batch, stats, &append_us, &enqueue_s, &diagnosed));
+      if (!diagnose) enqueue_steps.push_back(1e6 * enqueue_s);
       QKV_RETURN_IF_ERROR(device->Outputs(rt, step_out));
       for (int layer = 0; layer < g.layers; ++layer) {
         Digest(r.output_digest, step_out.data() + std::size_t(layer) * out.size(), out.size());
         QKV_RETURN_IF_ERROR(count_offload(layer));
       }
+      for (std::size_t i = 0; i < diagnosed.size(); ++i) {
+        DeviceDiagnosis& d = diagnosed[i];
+        const float* o_layer = step_out.data() + std::size_t(d.layer) * out.size();
+        RunReport::DiagnosedCall call{step, d.layer, head_pages(d.sels), d.skipped};
+        deferred.push_back({call, std::move(diagnosed_q[i]), std::vector<float>(o_layer, o_layer + out.size()),
+                            std::move(d.sels)});
+      }
     }
     for (int layer = 0; !on_device && layer < g.layers; ++layer) {
       generate(layer, step);
+      // Selections are read back only when the diagnostics need them, and
+      // the call's skips counted.
+      const bool diagnose_layer = diagnose && diagnosed_layer(layer);
+      const int64_t skipped_before = diagnose_layer ? rt.tier_stats().pages_skipped : 0;
       const auto t0 = std::chrono::steady_clock::now();
       for (int b = 0; b < B; ++b)
         QKV_RETURN_IF_ERROR(rt.Append(batch.ids[b], layer, k.data() + b * row, v.data() + b * row, 1));
       const auto t1 = std::chrono::steady_clock::now();
-      // Selections are read back only when the diagnostics need them.
-      const bool diagnose_layer = diagnose && diagnosed_layer(layer);
       QKV_RETURN_IF_ERROR(rt.DecodeAttention(batch.ids, layer, q.data(), out.data(),
                                              diagnose_layer ? &sels : nullptr, &stats));
       const auto t2 = std::chrono::steady_clock::now();
+      const int64_t skipped = diagnose_layer ? rt.tier_stats().pages_skipped - skipped_before : 0;
       append_us += 1e6 * std::chrono::duration<double>(t1 - t0).count();
       step_seconds += std::chrono::duration<double>(t2 - t0).count();
       if (diagnose_layer && in_memory) {
@@ -646,13 +700,13 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
       }
       Digest(r.output_digest, out.data(), out.size());
       QKV_RETURN_IF_ERROR(count_offload(layer));
-      if (diagnose_layer) deferred.push_back({layer, q, out, sels});
+      if (diagnose_layer) deferred.push_back({{step, layer, head_pages(sels), skipped}, q, out, sels});
     }
     {
       const TierStats after = rt.tier_stats();
       RunReport::StepRecord rec;
       rec.us = step_seconds * 1e6;
-      // A diagnosed step of the device-pointer decode ran through the host calls.
+      // A diagnosed step of the device-pointer decode waited at its diagnosed layers.
       rec.instrumented = instrumented(step) || (device && diagnose);
       rec.graphs_captured = stats.graphs_captured - graphs_before;
       rec.query = batch.workloads[0].Target(step).kind;
@@ -675,7 +729,7 @@ Status Decode(Runtime& rt, const RunOptions& o, const Batch& batch, RunReport& r
     if (!deferred.empty()) {
       const RunReport::Links before = LinksOf(rt.tier_stats());
       for (const Deferred& d : deferred)
-        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, d.layer, d.q.data(), d.out.data(), d.sels, r));
+        QKV_RETURN_IF_ERROR(diagnostics.Add(rt, o, batch, d.call, d.q.data(), d.out.data(), d.sels, r));
       QKV_RETURN_IF_ERROR(diagnostics.Finish(r));
       AddDiff(r.bytes_moved_diagnostics, LinksOf(rt.tier_stats()), before);
       deferred.clear();
@@ -817,6 +871,32 @@ void Line(std::string& out, const char* fmt, Args... args) {
 double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
 
 // The steps of one query kind, summarised.
+// The diagnosed calls split by whether they skipped: skipped of selected
+// head-pages, and the mean attended error of each side (0 where none).
+struct SkipSummary {
+  int64_t skipped = 0, selected = 0;
+  int calls_skipping = 0;
+  double error_skipping = 0, error_elsewhere = 0;
+};
+SkipSummary SummariseSkips(const std::vector<RunReport::DiagnosedCall>& calls) {
+  SkipSummary s;
+  int elsewhere = 0;
+  for (const RunReport::DiagnosedCall& c : calls) {
+    s.skipped += c.head_pages_skipped;
+    s.selected += c.head_pages_selected;
+    if (c.head_pages_skipped > 0) {
+      ++s.calls_skipping;
+      s.error_skipping += c.attended_rel_error;
+    } else {
+      ++elsewhere;
+      s.error_elsewhere += c.attended_rel_error;
+    }
+  }
+  if (s.calls_skipping > 0) s.error_skipping /= s.calls_skipping;
+  if (elsewhere > 0) s.error_elsewhere /= elsewhere;
+  return s;
+}
+
 struct KindSummary {
   QueryKind kind = QueryKind::kRandom;
   int steps = 0;
@@ -867,7 +947,7 @@ std::string FormatReport(const RunReport& r) {
        Mib(int64_t(t.summary_bytes)).c_str(), std::string(ColdMissPolicyName(o.config.cold_miss)).c_str());
   Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
   Line(out, "  decode calls       %s\n",
-       o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed steps: host floats)"
+       o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed layers wait)"
                        : "host floats, each call waits for its output");
   Line(out, "  step latency       p50 %.0f us, p99 %.0f us, mean %.0f us (all %d layers, whole batch)\n",
        r.step_latency_us.p50, r.step_latency_us.p99, r.step_latency_us.mean, o.config.geometry.layers);
@@ -933,6 +1013,11 @@ std::string FormatReport(const RunReport& r) {
          r.diagnosed, r.page_recall, r.attention_mass_recall, r.output_rel_error, o.recall_every, layers.c_str());
     Line(out, "  output error       of the selection %.2e; attended against the selection %.2e\n",
          r.selection_rel_error, r.attended_rel_error);
+    const SkipSummary sk = SummariseSkips(r.diagnosed_calls);
+    Line(out, "  skips at samples   %lld of %lld selected head-pages, in %d of %zu calls; attended error %.2e "
+              "where skipped, %.2e elsewhere\n",
+         static_cast<long long>(sk.skipped), static_cast<long long>(sk.selected), sk.calls_skipping,
+         r.diagnosed_calls.size(), sk.error_skipping, sk.error_elsewhere);
     Line(out, "  slack / exact      mean slack %.3f; branch-and-bound read %.1f%% of pages for exact top-%d\n",
          r.slack_mean, 100 * r.exact_pages_read_fraction, o.top_r);
   }
@@ -1051,6 +1136,16 @@ std::string ReportJson(const RunReport& r) {
       .Field("every", o.recall_every)
       .BeginArray("layers");  // empty: every sparse layer
   for (int layer : o.recall_layers) j.Value(int64_t(layer));
+  j.EndArray().BeginArray("calls");
+  for (const RunReport::DiagnosedCall& c : r.diagnosed_calls)
+    j.BeginObject()
+        .Field("step", c.step)
+        .Field("layer", c.layer)
+        .Field("head_pages_selected", c.head_pages_selected)
+        .Field("head_pages_skipped", c.head_pages_skipped)
+        .Field("selection_rel_error", c.selection_rel_error)
+        .Field("attended_rel_error", c.attended_rel_error)
+        .EndObject();
   j.EndArray().EndObject();
   j.BeginObject("step_latency_us")
       .Field("p50", r.step_latency_us.p50)

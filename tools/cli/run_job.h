@@ -37,7 +37,9 @@ struct RunOptions {
   // does — each step's queries and K/V rows uploaded before the step, then
   // every layer's append and decode enqueued back to back and the step timed
   // to its end on the GPU. Off: the host-f32 calls, each waiting for its
-  // output. Diagnosed steps use the host calls either way.
+  // output. A diagnosed step stays on the device calls; its diagnosed layers'
+  // calls wait for the calls before them (to count their own skips) and for
+  // their selections, so the step is summarised as instrumented.
   bool device_decode = false;
   // Serve Prometheus metrics on 127.0.0.1:metrics_port while running (-1: off;
   // 0: any free port, printed on stderr), and keep serving metrics_linger_ms
@@ -65,8 +67,8 @@ struct RunReport {
   // the steps replayed as a production engine runs them; the steps launched
   // directly with events between the phases (for step_breakdown_us) pay
   // launch costs a graph does not (~1 ms at 32 layers) and are summarised
-  // apart in step_latency_instrumented_us, with the diagnosed steps (run
-  // through the host calls, which wait for every layer). CPU backend: every step.
+  // apart in step_latency_instrumented_us, with the diagnosed steps (whose
+  // diagnosed layers wait for their selections). CPU backend: every step.
   Percentiles step_latency_us;
   Percentiles step_latency_instrumented_us;
   struct Breakdown {
@@ -118,6 +120,17 @@ struct RunReport {
   double selection_rel_error = 0, attended_rel_error = 0;
   double slack_mean = 0;
   double exact_pages_read_fraction = 0;  // branch-and-bound pages read / pages
+  // Every diagnosed (step, layer) call, in step and layer order: what it
+  // selected and skipped (`deadline`: selected head-pages attended without,
+  // counted from the tier counters around that call alone) and its errors,
+  // means over the batch. Where skips happen, what they cost.
+  struct DiagnosedCall {
+    int64_t step = 0;
+    int layer = 0;
+    int64_t head_pages_selected = 0, head_pages_skipped = 0;
+    double selection_rel_error = 0, attended_rel_error = 0;
+  };
+  std::vector<DiagnosedCall> diagnosed_calls;
   uint64_t output_digest = 0;      // FNV-1a over every decode output, in order
   // Every decode step, in order: where a run's time and traffic go step by
   // step (a structured workload's topic and needle steps miss far more than
