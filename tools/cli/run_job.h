@@ -79,8 +79,9 @@ struct RunReport {
   // Device-pointer decode (RunOptions::device_decode): host time to enqueue a
   // step's calls, against step_latency_us, which runs to the end of its GPU work.
   Percentiles enqueue_us;
-  // On sampled sparse (step, layer)s of an all-in-memory run: the runtime's
-  // dense attention over the same K/V, timed beside the Quest call.
+  // On sampled sparse (step, layer)s of an all-in-memory run through the host
+  // calls: the runtime's dense attention over the same K/V, timed beside the
+  // Quest call (device-pointer runs time no such pair).
   int compared_layers = 0;
   double compared_quest_us = 0, compared_dense_us = 0;  // sums
   int64_t comparison_hits = 0, comparison_misses = 0;   // cache lookups of those dense calls (not in `tiers`)
