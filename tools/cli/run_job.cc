@@ -870,7 +870,6 @@ void Line(std::string& out, const char* fmt, Args... args) {
 }
 double Pct(int64_t part, int64_t whole) { return whole ? 100.0 * double(part) / double(whole) : 0.0; }
 
-// The steps of one query kind, summarised.
 // The diagnosed calls split by whether they skipped: skipped of selected
 // head-pages, and the mean attended error of each side (0 where none).
 struct SkipSummary {
@@ -897,6 +896,7 @@ SkipSummary SummariseSkips(const std::vector<RunReport::DiagnosedCall>& calls) {
   return s;
 }
 
+// The steps of one query kind, summarised.
 struct KindSummary {
   QueryKind kind = QueryKind::kRandom;
   int steps = 0;
