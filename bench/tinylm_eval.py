@@ -64,6 +64,8 @@ def parse_args():
     p.add_argument("--disk-bytes", type=int, default=0)
     p.add_argument("--cold-miss", default="strict", choices=("strict", "deadline"),
                    help="a selected page on disk: wait for it (strict) or attend without it this step (deadline)")
+    p.add_argument("--deadline-skip-limit", type=float, default=1.0,
+                   help="deadline: a call whose cold misses pass this share of its selection waits for them")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--blocks", type=int, default=0, help="also decode the steps in blocks of N (0: no)")
     p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
@@ -129,7 +131,8 @@ def runtime_config(args, budget, rerank=0.0, unread=0.0, blocks="per-position"):
                 sink_pages=max(1, 16 // args.page_size), local_pages=max(1, 128 // args.page_size),
                 dense_layers=range(6) if budget is None else [0, 1], gqa="max",
                 hbm_bytes=args.hbm_bytes, host_bytes=args.host_bytes, disk_dir=args.disk_dir,
-                disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, backend=args.backend, dtype=kv_dtype(args))
+                disk_bytes=args.disk_bytes, cold_miss=args.cold_miss, deadline_skip_limit=args.deadline_skip_limit,
+                backend=args.backend, dtype=kv_dtype(args))
 
 
 def kv_dtype(args):
@@ -162,7 +165,7 @@ def decode_figures(r, counts=None):
     delta = {k: after[k] - before[k] for k in ("bytes_host_to_hbm", "bytes_hbm_to_host", "bytes_disk_to_host",
                                                "head_pages_selected", "head_pages_total", "kv_bytes_read",
                                                "summary_bytes_read", "rerank_key_bytes", "cold_misses",
-                                               "pages_skipped")}
+                                               "cold_stalls", "pages_skipped", "deadline_waits")}
     adaptive = {k: after[k] for k in ("adaptive_rankings", "adaptive_pages", "adaptive_pages_max", "adaptive_cap_hits",
                                       "adaptive_pages_p95")}
     return dict(loss=r.loss, ms_per_token=r.ms_per_token, questkv_ms_per_token=r.questkv_ms_per_token, **delta,
@@ -236,13 +239,14 @@ def print_table(args, runs):
     if missed:
         print(f"\nCold misses ({args.cold_miss}): selected head-pages whose home was disk, over every window")
         print("| run | head-pages selected | cold misses | of them attended without | share skipped | "
-              "skipped by layer 0-5 |")
-        print("| --- | --- | --- | --- | --- | --- |")
+              "calls that waited | skipped by layer 0-5 |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, rows in missed:
-            sel, cold, skipped = (sum(r[k] for r in rows) for k in ("head_pages_selected", "cold_misses", "pages_skipped"))
+            sel, cold, skipped, waits = (sum(r[k] for r in rows) for k in ("head_pages_selected", "cold_misses",
+                                                                            "pages_skipped", "deadline_waits"))
             layers = " / ".join(f"{100 * sum(r['layer_skipped'][l] for r in rows) / max(1, sum(r['layer_selected'][l] for r in rows)):.1f}%"
                                 for l in range(6))
-            print(f"| {name} | {sel} | {cold} | {skipped} | {100 * skipped / sel:.2f}% | {layers} |")
+            print(f"| {name} | {sel} | {cold} | {skipped} | {100 * skipped / sel:.2f}% | {waits} | {layers} |")
     adaptive = [(name, rows) for name, rows in runs.items() if rows and rows[0].get("adaptive_rankings")]
     if adaptive:
         print("\nAdaptive budgets: query-aware pages per ranking (beside sink and local), over every window")

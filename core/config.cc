@@ -196,6 +196,8 @@ Status Config::Validate() const {
     return Status::InvalidArgument("a disk tier needs disk_bytes > 0");
   if (prefetch_pages < 0 || prefetch_pages > 4096)
     return Status::InvalidArgument(Field("prefetch_pages", prefetch_pages, "must be in 0..4096"));
+  if (!(deadline_skip_limit >= 0 && deadline_skip_limit <= 1))
+    return Status::InvalidArgument("deadline_skip_limit = " + std::to_string(deadline_skip_limit) + ": must be in [0, 1]");
   if (io_queue_depth < 1 || io_queue_depth > 4096)
     return Status::InvalidArgument(Field("io_queue_depth", io_queue_depth, "must be in 1..4096"));
   return Status::Ok();

@@ -27,9 +27,9 @@ constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
 constexpr int kPumpWrites = 4;
 }  // namespace
 
-TierMover::TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water,
-                     uint32_t pages, SlotArena* host, DiskTier* disk)
-    : g_(g), policy_(policy), high_water_(high_water), low_water_(low_water), host_(host), disk_(disk),
+TierMover::TierMover(const Geometry& g, double high_water, double low_water, uint32_t pages, SlotArena* host,
+                     DiskTier* disk)
+    : g_(g), high_water_(high_water), low_water_(low_water), host_(host), disk_(disk),
       homes_(pages) {
   stats_.host_slots_capacity = host_->capacity();
 }
@@ -118,14 +118,14 @@ void TierMover::CountHost() {
   stats_.host_slots_peak = std::max(stats_.host_slots_peak, host_->used());
 }
 
-Result<const void*> TierMover::HomeForMiss(uint32_t page, uint32_t generation, int64_t step) {
+Result<const void*> TierMover::HomeForMiss(uint32_t page, uint32_t generation, int64_t step, bool wait) {
   Home& h = homes_[page];
   if (!h.host_valid) {
     if (!disk_) return Status::Internal("page " + std::to_string(page) + " has no home");
     ++stats_.cold_misses;
     // Skipping a page whose disk copy cannot be read would hide the loss for good.
     if (h.read_failures >= kIoAttempts) return h.error;
-    if (policy_ == ColdMissPolicy::kDeadline) {
+    if (!wait) {
       // Start the promotion if there is room now, else queue it; never wait for it.
       QKV_RETURN_IF_ERROR(PromoteOrQueue(page));
       ++stats_.pages_skipped;

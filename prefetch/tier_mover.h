@@ -10,8 +10,9 @@
 //               often selected), past the host high-water mark down to the low
 //               one; the host slot is freed once the write completed and its
 //               checksum held; a page whose disk copy exists leaves for free
-//   promote     disk -> host, for a cold miss: `strict` waits for it,
-//               `deadline` skips the page this step and lets it land later;
+//   promote     disk -> host, for a cold miss: a call that waits (`strict`,
+//               or `deadline` past its skip limit) waits for it, one that
+//               does not skips the page this step and lets it land later;
 //               a missed page whose read cannot start yet (no free host
 //               slot, a full I/O queue) waits in a queue that Pump (and a
 //               strict wait that made room) serves, oldest first, before
@@ -24,7 +25,7 @@
 // state), and a seal or promotion that needs host room gets IOError naming
 // the last failed page and its reason instead of waiting. A page whose
 // promotion read failed kIoAttempts times in a row is an IOError for the
-// decode step that selects it, under `deadline` too.
+// decode step that selects it, waiting or not.
 //
 // A host home the device may still be reading is not reused too soon: a
 // backend whose decode calls return before the device is done with them
@@ -74,8 +75,8 @@ class TierMover {
 
   // `disk` may be null (no disk tier). The mover does not own the tiers.
   // `pages`: the page ids the mover's table holds at first (GrowPages adds).
-  TierMover(const Geometry& g, ColdMissPolicy policy, double high_water, double low_water, uint32_t pages,
-            SlotArena* host, DiskTier* disk);
+  TierMover(const Geometry& g, double high_water, double low_water, uint32_t pages, SlotArena* host,
+            DiskTier* disk);
   // Holds page ids [0, pages) from now on (PageAllocator's grow hook).
   // Throws std::bad_alloc, leaving the table as it was, when memory is short.
   void GrowPages(uint32_t pages) { homes_.resize(std::max<std::size_t>(homes_.size(), pages)); }
@@ -121,11 +122,11 @@ class TierMover {
   // layer's report names every page, 64K scattered homes at 1M tokens.
   void NoteSelected(std::span<const uint32_t> pages, int64_t step);
   // A selected head-page that missed hbm at `step`: its readable host home
-  // (the whole page, [2][Hkv][S][D]). A home on disk is a cold miss: under
-  // `strict` the call waits for its promotion; under `deadline` the promotion
+  // (the whole page, [2][Hkv][S][D]). A home on disk is a cold miss: with
+  // `wait` the call waits for its promotion (strict); without, the promotion
   // starts (or queues) and the result is null: attend without it this step.
   // A page whose reads keep failing is IOError.
-  Result<const void*> HomeForMiss(uint32_t page, uint32_t generation, int64_t step);
+  Result<const void*> HomeForMiss(uint32_t page, uint32_t generation, int64_t step, bool wait);
   // Bytes a backend copied from host homes into hbm (the one byte counter).
   void CountHostToHbm(int64_t bytes) { stats_.bytes_host_to_hbm += bytes; }
   // The caller reads the page's host home in place until EndReads: it is not
@@ -203,7 +204,6 @@ class TierMover {
   Status Recycle(bool wait);
 
   Geometry g_;
-  ColdMissPolicy policy_;
   double high_water_, low_water_;
   SlotArena* host_;
   DiskTier* disk_;

@@ -105,7 +105,8 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
                                 "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
-                                "cuda_mma_scores", "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor"};
+                                "cuda_mma_scores", "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor",
+                                "deadline_skip_limit"};
   for (const auto& kv : d) {
     const bool known = std::any_of(std::begin(kKeys), std::end(kKeys), [&](const char* k) { return kv.key() == k; });
     TORCH_CHECK(known, "questkv.Runtime: unknown option '", kv.key(), "'");
@@ -141,6 +142,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   if (d.contains("cold_miss")) c.cold_miss = Value(ParseColdMissPolicy(d.at("cold_miss")));
   if (d.contains("io_backend")) c.io_backend = Value(ParseIoBackendKind(d.at("io_backend")));
   c.prefetch_pages = Narrow<int>(Int(d, "prefetch_pages", c.prefetch_pages), "prefetch_pages");
+  c.deadline_skip_limit = Real(d, "deadline_skip_limit", c.deadline_skip_limit);
   if (d.contains("backend")) c.backend = Value(ParseBackend(d.at("backend")));
   c.cuda_graphs = Int(d, "cuda_graphs", 1) != 0;
   c.cuda_mma_scores = Int(d, "cuda_mma_scores", 0) != 0;
@@ -238,6 +240,7 @@ class RuntimeHolder : public torch::CustomClassHolder {
     d.insert("cold_misses", t.cold_misses);
     d.insert("cold_stalls", t.cold_stalls);
     d.insert("pages_skipped", t.pages_skipped);
+    d.insert("deadline_waits", t.deadline_waits);
     d.insert("demotions", t.demotions);
     d.insert("promotions", t.promotions);
     d.insert("io_errors", t.io_errors);

@@ -37,7 +37,7 @@ class TierMover;
 // The hbm tier's counters, accumulated since creation.
 struct BackendCounters {
   int64_t selected = 0, hits = 0, misses = 0, evictions = 0, bypasses = 0, bytes_host_to_hbm = 0;
-  int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0, deferred_seals = 0;
+  int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0, deferred_seals = 0, deadline_waits = 0;
   uint64_t slots_capacity = 0, slots_used = 0, slots_peak = 0, slot_bytes = 0;
 };
 

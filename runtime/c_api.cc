@@ -93,6 +93,7 @@ questkv::Config ToConfig(const qkv_config& c) {
   cfg.policy.group_pages = c.group_pages;
   cfg.policy.unread_bound_mass = c.unread_bound_mass;
   cfg.policy.adaptive_floor = c.adaptive_floor;
+  cfg.deadline_skip_limit = c.deadline_skip_limit;
   return cfg;
 }
 
@@ -139,6 +140,7 @@ void qkv_config_default(qkv_config* c) {
   c->group_pages = d.policy.group_pages;
   c->unread_bound_mass = d.policy.unread_bound_mass;
   c->adaptive_floor = d.policy.adaptive_floor;
+  c->deadline_skip_limit = d.deadline_skip_limit;
 }
 
 qkv_status qkv_create(const qkv_config* config, qkv_runtime** out) {

@@ -102,8 +102,42 @@ class CpuBackend final : public DataPlane {
   void RetryPendingSeals();
   Status WithSealCause(Status s) const;
   void UndoAppend(PageList& list, int64_t old_tokens, std::size_t old_pages);
-  Result<HeadSource> Resolve(PageId page, int head, uint32_t part);
-  Status AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out, bool strict);
+  // `wait`: a page on disk is promoted and waited for, else skipped.
+  Result<HeadSource> Resolve(PageId page, int head, uint32_t part, bool wait);
+  // Attends one (sequence, KV head) within its call: its cold misses are
+  // skipped while the call's allowance lasts, waited for after.
+  Status AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out);
+  // Selected head-pages of row b's KV head h (logical pages) whose home is
+  // disk (or mid-promotion): the cold misses attending them would meet.
+  int64_t CountCold(int b, int h, const int32_t* logical, int n);
+  // Starts row b's call at a layer, `rows(h)` giving its selection of KV
+  // head h: how many cold misses it may skip. Strict: none. Deadline: up to
+  // deadline_skip_limit of its selected head-pages, and none (it waits for
+  // them all) when the cold misses it would meet pass that; the allowance
+  // also bounds misses that appear during the call (a page demoted while
+  // the call waits for another).
+  template <class Rows>
+  void BeginCall(int b, Rows rows) {
+    call_stalls_ = mover_->stats().cold_stalls;
+    if (c_.cold_miss == ColdMissPolicy::kStrict) {
+      skips_left_ = 0;
+      return;
+    }
+    skips_left_ = INT64_MAX;
+    if (c_.deadline_skip_limit >= 1 || !mover_->has_disk()) return;
+    int64_t selected = 0, cold = 0;
+    for (int h = 0; h < g_.kv_heads; ++h) {
+      const auto [logical, n] = rows(h);
+      selected += n;
+      cold += CountCold(b, h, logical, n);
+    }
+    const auto allowed = int64_t(std::floor(c_.deadline_skip_limit * double(selected)));
+    skips_left_ = cold > allowed ? 0 : allowed;
+  }
+  // Ends the call: a deadline call that waited is counted.
+  void EndCall() {
+    if (c_.cold_miss == ColdMissPolicy::kDeadline && mover_->stats().cold_stalls > call_stalls_) ++deadline_waits_;
+  }
   Status Decode(const Step& s);
   // One selection for rows [b, b + n) of a shared block, over row b + n - 1's
   // pages, from every row's queries: the block's selector ranks them as one
@@ -153,6 +187,9 @@ class CpuBackend final : public DataPlane {
   std::vector<uint32_t> held_;           // full pages of drafts, unsealed until accepted
   Status seal_error_;                    // why the last of them could not be sealed
   int64_t deferred_seals_ = 0;
+  int64_t skips_left_ = 0;      // cold misses the current call may still skip
+  int64_t call_stalls_ = 0;     // the mover's cold stalls when it began
+  int64_t deadline_waits_ = 0;  // deadline calls that waited past their limit
   int64_t step_ = 0;
   Selector selector_;
   std::map<int, Selector> block_selectors_;  // shared blocks, by rows
@@ -334,7 +371,7 @@ void CpuBackend::UndoAppend(PageList& list, int64_t old_tokens, std::size_t old_
 
 // ---- the decode step ------------------------------------------------------------------
 
-Result<HeadSource> CpuBackend::Resolve(PageId page, int head, uint32_t part) {
+Result<HeadSource> CpuBackend::Resolve(PageId page, int head, uint32_t part, bool wait) {
   mover_->NoteSelected(page, step_);
   const std::size_t n = hp();
   if (const int32_t s = hbm_->Lookup(page, head); s != HbmCache::kNone) {
@@ -343,7 +380,7 @@ Result<HeadSource> CpuBackend::Resolve(PageId page, int head, uint32_t part) {
     return HeadSource{hbm_->data(s), hbm_->data(s) + n, false};
   }
   ++hbm_->stats().misses;
-  QKV_ASSIGN_OR_RETURN(const void* home_bytes, mover_->HomeForMiss(page, ids_->generation(page), step_));
+  QKV_ASSIGN_OR_RETURN(const void* home_bytes, mover_->HomeForMiss(page, ids_->generation(page), step_, wait));
   if (!home_bytes) return HeadSource{nullptr, nullptr, true};
   const float* home = static_cast<const float*>(home_bytes);
   const float* k = home + head * n;
@@ -363,13 +400,22 @@ Result<HeadSource> CpuBackend::Resolve(PageId page, int head, uint32_t part) {
 }
 
 // Attends one (sequence, KV head) over the given logical pages, resolving
-// each through the tiers. `strict` refuses skipped pages (dense path). When
+// each through the tiers, waiting for cold misses or skipping them. When
 // the host tier cannot take a page because earlier pages of the row are read
 // in place from it, the row so far is attended, those pointers released,
 // and the row continues: pages are merged in the same order, so the output
 // is bit for bit the same as in one piece.
-Status CpuBackend::AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out,
-                             bool strict) {
+int64_t CpuBackend::CountCold(int b, int h, const int32_t* logical, int n) {
+  const uint32_t* pages = csr_.pages(b);
+  int64_t cold = 0;
+  for (int i = 0; i < n; ++i) {
+    const uint32_t page = pages[logical[i]];
+    cold += hbm_->Lookup(page, h) == HbmCache::kNone && !mover_->HostHome(page);
+  }
+  return cold;
+}
+
+Status CpuBackend::AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out) {
   const uint32_t* pages = csr_.pages(b);
   const int last = csr_.num_pages(b) - 1;
   const int G = g_.group();
@@ -393,17 +439,19 @@ Status CpuBackend::AttendRow(int b, int kv_head, const int32_t* logical, int n, 
   };
   for (int i = 0; i < n; ++i) {
     const int p = logical[i];
-    auto src = Resolve(pages[p], kv_head, parts_[b]);
+    auto src = Resolve(pages[p], kv_head, parts_[b], skips_left_ <= 0);
     if (!src.ok() && src.status().code() == Code::kResourceExhausted && !refs_.empty()) {
       flush();
-      src = Resolve(pages[p], kv_head, parts_[b]);
+      src = Resolve(pages[p], kv_head, parts_[b], skips_left_ <= 0);
     }
     if (!src.ok()) {
       mover_->EndReads();
       return src.status();
     }
-    if (src->skipped && strict) return Status::Internal("dense attention cannot skip pages");
-    if (src->skipped) continue;
+    if (src->skipped) {
+      --skips_left_;
+      continue;
+    }
     refs_.push_back({src->k, src->v, p == last ? csr_.last_page_len[b] : g_.page_size});
   }
   flush();
@@ -476,8 +524,9 @@ Status CpuBackend::Decode(const Step& s) {
       }
     }
     if (stats) stats->select_us += 1e6 * Seconds(Clock::now() - t0);
+    BeginCall(b, [&](int h) { return std::pair(sel.row(h), sel.count(h)); });
     for (int h = 0; h < g_.kv_heads; ++h) {
-      QKV_RETURN_IF_ERROR(AttendRow(b, h, sel.row(h), sel.count(h), q, out, /*strict=*/false));
+      QKV_RETURN_IF_ERROR(AttendRow(b, h, sel.row(h), sel.count(h), q, out));
       const auto t1 = Clock::now();
       for (int i = 0; i < next_.count(h); ++i) QKV_RETURN_IF_ERROR(mover_->Prefetch(next_ids[next_.row(h)[i]]));
       if (stats) {
@@ -488,6 +537,7 @@ Status CpuBackend::Decode(const Step& s) {
         stats->kv_bytes_read += attended_ * g_.head_dim * 2 * int64_t(sizeof(float));
       }
     }
+    EndCall();
     // The selector scores only when the budget is smaller than the page count;
     // a shared block scores once, over its last row's pages.
     if (stats)
@@ -574,7 +624,7 @@ std::function<Status(int, std::span<const int32_t>, float*)> CpuBackend::ExactSc
     const int D = g_.head_dim, last = csr_.num_pages(b) - 1;
     for (std::size_t i = 0; i < pages.size(); ++i) {
       const int p = pages[i];
-      QKV_ASSIGN_OR_RETURN(const HeadSource src, Resolve(csr_.pages(b)[p], h, parts_[b]));
+      QKV_ASSIGN_OR_RETURN(const HeadSource src, Resolve(csr_.pages(b)[p], h, parts_[b], c_.cold_miss == ColdMissPolicy::kStrict));
       if (src.skipped) {
         exact[i] = std::numeric_limits<float>::quiet_NaN();
         continue;
@@ -600,13 +650,13 @@ std::function<Status(int, std::span<const int32_t>, float*)> CpuBackend::ExactSc
 Status CpuBackend::Dense(const Step& s) {
   const float* q = static_cast<const float*>(s.q);
   float* out = static_cast<float*>(s.out);
-  const bool strict = c_.cold_miss == ColdMissPolicy::kStrict;
   std::vector<int32_t> all;
   for (int b = 0; b < csr_.batch(); ++b) {
     all.resize(csr_.num_pages(b));
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = int32_t(i);
-    for (int h = 0; h < g_.kv_heads; ++h)
-      QKV_RETURN_IF_ERROR(AttendRow(b, h, all.data(), int(all.size()), q, out, strict));
+    BeginCall(b, [&](int) { return std::pair(all.data(), int(all.size())); });
+    for (int h = 0; h < g_.kv_heads; ++h) QKV_RETURN_IF_ERROR(AttendRow(b, h, all.data(), int(all.size()), q, out));
+    EndCall();
   }
   return Status::Ok();
 }
@@ -618,7 +668,7 @@ BackendCounters CpuBackend::counters() {
   c.hits = h.hits, c.misses = h.misses, c.evictions = h.evictions, c.bypasses = h.bypasses;
   c.bytes_host_to_hbm = m.bytes_host_to_hbm;
   c.cold_misses = m.cold_misses, c.cold_stalls = m.cold_stalls, c.pages_skipped = m.pages_skipped;
-  c.deferred_seals = deferred_seals_;
+  c.deferred_seals = deferred_seals_, c.deadline_waits = deadline_waits_;
   c.slots_capacity = h.slots_capacity, c.slots_used = h.slots_used, c.slots_peak = h.slots_peak;
   c.slot_bytes = hbm_->slot_bytes();
   return c;

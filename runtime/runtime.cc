@@ -333,7 +333,7 @@ Result<std::unique_ptr<Runtime>> Runtime::CreateValid(const Config& config, std:
     QKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(opts, std::move(io)));
     QKV_RETURN_IF_ERROR(impl->disk->RegisterRegion(impl->host->base(), impl->host->bytes()));
   }
-  impl->mover = std::make_unique<TierMover>(g, config.cold_miss, config.host_high_water, config.host_low_water,
+  impl->mover = std::make_unique<TierMover>(g, config.host_high_water, config.host_low_water,
                                             /*pages=*/0, impl->host.get(), impl->disk.get());
   if (config.backend == Backend::kCuda) {
     QKV_ASSIGN_OR_RETURN(impl->backend, MakeCudaBackend(config, &impl->ids, impl->mover.get(), impl->host.get()));
@@ -699,6 +699,7 @@ TierStats Runtime::tier_stats() const {
   t.bytes_disk_to_host = m.bytes_disk_to_host;
   t.hbm_hits = c.hits, t.hbm_misses = c.misses, t.hbm_evictions = c.evictions, t.hbm_bypasses = c.bypasses;
   t.cold_misses = c.cold_misses, t.cold_stalls = c.cold_stalls, t.pages_skipped = c.pages_skipped;
+  t.deadline_waits = c.deadline_waits;
   t.hbm_capacity_bytes = c.slots_capacity * c.slot_bytes, t.hbm_peak_bytes = c.slots_peak * c.slot_bytes;
   t.hbm_used_bytes = c.slots_used * c.slot_bytes;
   t.demotions = m.demotions, t.promotions = m.promotions, t.clean_drops = m.clean_drops, t.prefetches = m.prefetches;

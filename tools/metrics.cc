@@ -65,6 +65,9 @@ std::string MetricsRegistry::Render() const {
   Sample(o, "questkv_cold_stalls_total", double(t.cold_stalls));
   Metric(o, "questkv_pages_skipped_total", "counter", "Cold misses a step attended without (deadline).");
   Sample(o, "questkv_pages_skipped_total", double(t.pages_skipped));
+  Metric(o, "questkv_deadline_waits_total", "counter",
+         "Decode calls that waited for their cold misses past the deadline skip limit.");
+  Sample(o, "questkv_deadline_waits_total", double(t.deadline_waits));
   Metric(o, "questkv_disk_errors_total", "counter", "Disk I/O errors and checksum mismatches.");
   Sample(o, "questkv_disk_errors_total{kind=\"io\"}", double(t.io_errors));
   Sample(o, "questkv_disk_errors_total{kind=\"corruption\"}", double(t.corruptions));

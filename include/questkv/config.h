@@ -167,6 +167,12 @@ struct Config {
   IoBackendKind io_backend = IoBackendKind::kAuto;
   int io_queue_depth = 64;
   ColdMissPolicy cold_miss = ColdMissPolicy::kStrict;
+  // Under deadline: the largest share of a sequence's selected head-pages at
+  // a layer that its call may attend without. A call whose cold misses pass
+  // it waits for them, as under strict (a query that jumps to a region on
+  // disk would otherwise lose most of its layer's attention). In [0, 1];
+  // 1: never waits.
+  double deadline_skip_limit = 1.0;
   // Per (sequence, layer, KV head) and step, the best-ranked pages just
   // outside the selection are promoted from disk ahead of need.
   int prefetch_pages = 4;

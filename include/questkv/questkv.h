@@ -94,6 +94,10 @@ typedef struct {
      to the token budget (CPU backend) */
   double unread_bound_mass;
   int64_t adaptive_floor;
+  /* QKV_COLD_MISS_DEADLINE: a sequence's call whose cold misses pass this
+     share of its selected head-pages at the layer waits for them; in [0, 1],
+     1 never waits */
+  double deadline_skip_limit;
 } qkv_config;
 
 typedef struct qkv_runtime qkv_runtime;

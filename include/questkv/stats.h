@@ -47,6 +47,9 @@ struct TierStats {
   int64_t bytes_host_to_hbm = 0, bytes_hbm_to_host = 0, bytes_host_to_disk = 0, bytes_disk_to_host = 0;
   int64_t hbm_hits = 0, hbm_misses = 0, hbm_evictions = 0, hbm_bypasses = 0;
   int64_t cold_misses = 0, cold_stalls = 0, pages_skipped = 0;
+  // Decode calls (a sequence at a layer) that waited for their cold misses
+  // because they passed Config::deadline_skip_limit.
+  int64_t deadline_waits = 0;
   int64_t demotions = 0, promotions = 0, clean_drops = 0, prefetches = 0, deferred_seals = 0;
   int64_t demotion_orders = 0;  // coldest-first orders built (each scans every host page)
   int64_t io_errors = 0, corruptions = 0;

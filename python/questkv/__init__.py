@@ -20,7 +20,8 @@ _OPTION_TYPES = {
     "dtype": str, "summary_dtype": str, "token_budget": int, "sink_pages": int, "local_pages": int,
     "gqa": str, "dense_layers": list, "layer_token_budgets": list, "max_pages": int,
     "hbm_bytes": int, "host_bytes": int, "disk_dir": str, "disk_bytes": int, "cold_miss": str,
-    "io_backend": str, "prefetch_pages": int, "backend": str, "cuda_graphs": bool, "cuda_mma_scores": bool,
+    "deadline_skip_limit": float, "io_backend": str, "prefetch_pages": int, "backend": str,
+    "cuda_graphs": bool, "cuda_mma_scores": bool,
     "block_selection": str,
     "rerank": float, "group_pages": int, "unread_bound_mass": float, "adaptive_floor": int,
 }

@@ -321,12 +321,16 @@ class OwnedCache(unittest.TestCase):
         with self.assertRaises(TypeError):
             questkv.Runtime(layer=2)
 
-    def test_a_tiered_runtime_gives_the_same_bits(self):
+    def decode_tiered_beside_in_memory(self, seed, **tiers):
+        """Ten decode steps of a runtime with tiny hbm and host budgets and a
+        disk tier, each compared bit for bit with an all-in-memory runtime's;
+        returns the tiered runtime's stats."""
         with tempfile.TemporaryDirectory() as disk:
             page_bytes = 2 * HKV * S * D * 4
-            small = runtime(hbm_bytes=12 * page_bytes, host_bytes=8 * 4096, disk_dir=disk, disk_bytes=64 << 20)
+            small = runtime(hbm_bytes=12 * page_bytes, host_bytes=8 * 4096, disk_dir=disk, disk_bytes=64 << 20,
+                            **tiers)
             big = runtime()
-            torch.manual_seed(5)
+            torch.manual_seed(seed)
             k = torch.randn(300, HKV, D)
             v = torch.randn(300, HKV, D)
             seqs = []
@@ -338,7 +342,18 @@ class OwnedCache(unittest.TestCase):
             for step in range(10):
                 q = torch.randn(1, HQ, D)
                 self.assertTrue(torch.equal(small.decode([seqs[0]], 1, q), big.decode([seqs[1]], 1, q)), step)
-            self.assertGreater(small.stats()["bytes_disk_to_host"], 0)
+            return small.stats()
+
+    def test_a_tiered_runtime_gives_the_same_bits(self):
+        self.assertGreater(self.decode_tiered_beside_in_memory(5)["bytes_disk_to_host"], 0)
+
+    def test_a_deadline_skip_limit_of_zero_waits_like_strict(self):
+        st = self.decode_tiered_beside_in_memory(6, cold_miss="deadline", deadline_skip_limit=0.0)
+        self.assertGreater(st["deadline_waits"], 0)
+        self.assertEqual(st["pages_skipped"], 0)
+        self.assertGreater(st["bytes_disk_to_host"], 0)
+        with self.assertRaises(RuntimeError):
+            runtime(cold_miss="deadline", deadline_skip_limit=1.5)
 
 
 def cuda_runtime(**kw):

@@ -80,6 +80,11 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qkv_create_error()).find("unread_bound_mass"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
+  EXPECT_EQ(cfg.deadline_skip_limit, 1.0);
+  cfg.deadline_skip_limit = -0.5;
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qkv_create_error()).find("deadline_skip_limit"), std::string::npos) << qkv_create_error();
+  qkv_config_default(&cfg);
   EXPECT_EQ(cfg.summary_dtype, QKV_SUMMARY_KV);
   cfg.summary_dtype = QKV_SUMMARY_E4M3;
   ASSERT_EQ(qkv_create(&cfg, &rt), QKV_OK) << qkv_create_error();

@@ -30,8 +30,7 @@ class TierMoverTest : public ::testing::Test {
     ASSERT_TRUE(disk.ok()) << disk.status().ToString();
     disk_ = std::move(*disk);
     ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
-                                         disk_.get());
+    mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   }
   void TearDown() override {
@@ -52,13 +51,12 @@ class TierMoverTest : public ::testing::Test {
     EXPECT_EQ(mover_->HostHome(page), *home);
     EXPECT_EQ(published_[page], *home);
   }
-  // A deadline mover with high water 4 and low water 2 of the 8 host slots
+  // A mover with high water 4 and low water 2 of the 8 host slots
   // (the disk queue holds 4 I/Os); pages 0..4 sealed with bytes from
   // `seed` * page, page p last selected at step p + 2; two pumps put the
   // three coldest (0, 1, 2) on disk.
   void DeadlineWithThreeOnDisk(uint8_t seed) {
-    mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kDeadline, 0.5, 0.25, kPages, host_.get(),
-                                         disk_.get());
+    mover_ = std::make_unique<TierMover>(g_, 0.5, 0.25, kPages, host_.get(), disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
     for (uint32_t p = 0; p < 5; ++p) SealPage(p, uint8_t(seed * p), 1);
     for (uint32_t p = 0; p < 5; ++p) mover_->NoteSelected(p, p + 2);
@@ -66,7 +64,7 @@ class TierMoverTest : public ::testing::Test {
     ASSERT_TRUE(mover_->Pump(21).ok());
     for (uint32_t p : {0u, 1u, 2u}) ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
   }
-  // The fixture's strict mover (high water 6, low water 4 of 8 slots):
+  // The fixture's mover (high water 6, low water 4 of 8 slots):
   // pages 0..6 sealed with bytes from `seed` * page, page p last selected at
   // step p + 2; two pumps put the three coldest (0, 1, 2) on disk.
   void StrictWithThreeOnDisk(uint8_t seed) {
@@ -161,8 +159,7 @@ TEST_F(TierMoverTest, ADemotionOrderLastsSixtyFourModelSteps) {
   Geometry g32 = g_;
   g32.layers = 32;
   const int64_t age = 64 * 2 * 32;
-  mover_ = std::make_unique<TierMover>(g32, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
-                                       disk_.get());
+  mover_ = std::make_unique<TierMover>(g32, 0.75, 0.5, kPages, host_.get(), disk_.get());
   mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   // Pages 0..6 fill 7 of 8 host slots (high water 6); the order made at
   // step 20 holds them all, the coldest three go.
@@ -293,8 +290,7 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   ASSERT_TRUE(disk.ok());
   disk_ = std::move(*disk);
   ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, ColdMissPolicy::kStrict, 0.75, 0.5, kPages, host_.get(),
-                                       disk_.get());
+  mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
   mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   Status last;
   uint32_t p = 0;

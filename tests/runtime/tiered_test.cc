@@ -145,6 +145,75 @@ TEST(Tiered, DeadlineSkipsColdPagesAndLetsThemLand) {
   EXPECT_GT(s.promotions, 0);  // background promotions completed
 }
 
+// Under deadline with a skip limit, each call (one sequence, so the tier
+// counters read around it are its own) skips at most the limit's share of
+// what it selected and waits for the rest of its cold misses; a call that
+// skipped nothing matches the all-in-memory run bit for bit. Limit 0 computes
+// what strict does; limit 1 never waits.
+TEST(Tiered, DeadlineWaitsForACallWhoseSkipsWouldPassItsLimit) {
+  int64_t waited = 0, skipped_calls = 0;
+  for (const double limit : {0.0, 0.2, 0.5, 1.0}) {
+    SCOPED_TRACE("limit " + std::to_string(limit));
+    Config c = Tiny(ColdMissPolicy::kDeadline);
+    c.deadline_skip_limit = limit;
+    auto tiered = Runtime::Create(c, MakeMemoryBackend(8));
+    ASSERT_TRUE(tiered.ok()) << tiered.status().ToString();
+    auto ref = Runtime::Create(Base());
+    ASSERT_TRUE(ref.ok());
+    Pair p{std::move(*ref), std::move(*tiered)};
+    SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
+    AppendBoth(p, r, t, 400, 3);
+    std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
+    SeqId rs[] = {r}, ts[] = {t};
+    std::vector<PageSelection> sel;
+    int64_t limit_waits = 0, limit_skips = 0;
+    for (int step = 0; step < 24; ++step) {
+      AppendBoth(p, r, t, 1, 900 + step);
+      for (int l = 0; l < 2; ++l) {
+        test::FillNormal(q.data(), q.size(), 300 + 2 * step + l);
+        ASSERT_TRUE(p.ref->DecodeAttention(rs, l, q.data(), o1.data()).ok());
+        const TierStats before = p.tiered->tier_stats();
+        auto s = p.tiered->DecodeAttention(ts, l, q.data(), o2.data(), &sel);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        const TierStats after = p.tiered->tier_stats();
+        const int64_t waits = after.deadline_waits - before.deadline_waits;
+        const int64_t stalls = after.cold_stalls - before.cold_stalls;
+        const int64_t skipped = after.pages_skipped - before.pages_skipped;
+        const int64_t selected = int64_t(sel[0].pages.size());
+        SCOPED_TRACE("step " + std::to_string(step) + " layer " + std::to_string(l));
+        ASSERT_EQ(waits, stalls > 0 ? 1 : 0);
+        ASSERT_LE(double(skipped), limit * double(selected));
+        // Past its limit a call waits for all its cold misses, not only
+        // for those beyond the limit (here nothing leaves the host mid-call).
+        if (waits) ASSERT_EQ(skipped, 0);
+        if (skipped == 0) ASSERT_EQ(o1, o2);
+        else ASSERT_NE(o1, o2);
+        limit_waits += waits;
+        limit_skips += skipped > 0;
+      }
+    }
+    if (limit == 0) EXPECT_EQ(limit_skips, 0);
+    if (limit == 1) EXPECT_EQ(limit_waits, 0);
+    if (limit == 0) EXPECT_GT(limit_waits, 0);
+    if (limit == 1) EXPECT_GT(limit_skips, 0);
+    waited += limit_waits, skipped_calls += limit_skips;
+    EXPECT_EQ(p.tiered->tier_stats().deadline_waits, limit_waits);
+  }
+  EXPECT_GT(waited, 0);
+  EXPECT_GT(skipped_calls, 0);
+}
+
+TEST(Tiered, ASkipLimitOutsideZeroToOneIsRefused) {
+  for (const double limit : {-0.1, 1.5, std::nan("")}) {
+    Config c = Tiny(ColdMissPolicy::kDeadline);
+    c.deadline_skip_limit = limit;
+    auto rt = Runtime::Create(c, MakeMemoryBackend(8));
+    ASSERT_FALSE(rt.ok());
+    EXPECT_EQ(rt.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(rt.status().message().find("deadline_skip_limit"), std::string::npos) << rt.status().ToString();
+  }
+}
+
 TEST(Tiered, RealDiskThroughTheDefaultBackend) {
   test::ScratchDir dir;
   Config c = Tiny(ColdMissPolicy::kStrict);

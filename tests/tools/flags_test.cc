@@ -15,7 +15,7 @@ namespace {
 
 // Flags parsed from {"cmd", "--name", value}.
 Flags ParseOne(const std::string& name, const std::string& value) {
-  Flags f({"n", "list", "size"}, {});
+  Flags f({"n", "x", "list", "size"}, {});
   std::vector<std::string> args = {"cmd", "--" + name, value};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -88,6 +88,22 @@ TEST(Flags, PlainIntegersStillParse) {
   EXPECT_FALSE(ParseOne("n", "9223372036854775808").Int("n", 0, INT64_MIN, INT64_MAX).ok());
 }
 
+TEST(Flags, RealsAreParsedWholeAndWithinTheirRange) {
+  EXPECT_EQ(*ParseOne("x", "0.25").Double("x", 1, 0, 1), 0.25);
+  EXPECT_EQ(*ParseOne("x", "1e-3").Double("x", 1, 0, 1), 1e-3);
+  EXPECT_EQ(*ParseOne("x", "-2").Double("x", 1, -5, 5), -2);
+  EXPECT_EQ(*Flags({"x"}, {}).Double("x", 0.5, 0, 1), 0.5);  // unset: the fallback
+  for (const char* text : {"", " 0.5", "0.5 ", "+0.5", "0.5x", "nan", "inf", "0,5", "1e999"}) {
+    Result<double> d = ParseOne("x", text).Double("x", 0, -10, 10);
+    ASSERT_FALSE(d.ok()) << "'" << text << "' parsed as " << *d;
+    EXPECT_NE(d.status().message().find("--x: '" + std::string(text) + "' is not a number"), std::string::npos)
+        << d.status().ToString();
+  }
+  Result<double> out = ParseOne("x", "1.5").Double("x", 0, 0, 1);
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("--x = 1.5 is outside 0..1"), std::string::npos) << out.status().ToString();
+}
+
 // End to end: sizes past the limit are usage errors of `questkv run` naming
 // the flag and the value as given.
 TEST(Flags, RunRefusesWrappedSizes) {
@@ -101,6 +117,9 @@ TEST(Flags, RunRefusesWrappedSizes) {
   r = test::RunCommand(RunMain, "run", {"--page-size", " 16", "--no-progress"});
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("--page-size: ' 16' is not an integer"), std::string::npos) << r.err;
+  r = test::RunCommand(RunMain, "run", {"--deadline-skip-limit", "0.1", "--no-progress"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--deadline-skip-limit needs --cold-miss deadline"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -125,7 +125,7 @@ TEST(RunFlags, SpeculativeDecodingThroughTieredMemoryKeepsTheDigest) {
   ExpectHas(bad.err, "--accept-rate needs --draft");
   bad = RunCli({"--draft", "2", "--accept-rate", "1.5"});
   EXPECT_EQ(bad.code, 2);
-  ExpectHas(bad.err, "not a probability");
+  ExpectHas(bad.err, "--accept-rate = 1.5 is outside 0..1");
 }
 
 }  // namespace

@@ -193,6 +193,17 @@ TEST(RunJob, TinyTiersSpillToDiskAndComputeTheSameUnderStrict) {
   EXPECT_GT(attended_skipping / skipping, 1e-2);
   EXPECT_NEAR(attended / 4, rc->attended_rel_error, 1e-9);  // every call diagnoses both sequences
   EXPECT_NE(ReportJson(*rc).find("\"calls\":[{\"step\":0,\"layer\":1,"), std::string::npos);
+  // Deadline with no skips allowed: every call with a cold miss waits, and
+  // the run computes what strict does.
+  b.config.deadline_skip_limit = 0;
+  auto rd = RunJob(b);
+  ASSERT_TRUE(rd.ok()) << rd.status().ToString();
+  EXPECT_EQ(rd->output_digest, ra->output_digest);
+  EXPECT_EQ(rd->tiers.pages_skipped, 0);
+  EXPECT_GT(rd->tiers.deadline_waits, 0);
+  EXPECT_GT(rd->tiers.cold_stalls, 0);
+  EXPECT_NE(ReportJson(*rd).find("\"deadline_skip_limit\":0"), std::string::npos);
+  EXPECT_NE(FormatReport(*rd).find("calls past the skip limit"), std::string::npos);
 }
 
 // Diagnosing a subset of layers: the samples are those layers' (step,

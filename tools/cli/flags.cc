@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 
 namespace questkv::cli {
@@ -21,6 +23,13 @@ Result<int64_t> ParseInt(const std::string& flag, const std::string& text) {
   if (ec != std::errc() || ptr != end)
     return Status::InvalidArgument("--" + flag + ": '" + text + "' is not an integer");
   return v;
+}
+
+// A bound as a user would write it: "1", "0.5", "1e+06".
+std::string Number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
 }
 }  // namespace
 
@@ -65,6 +74,20 @@ Result<int64_t> Flags::Int(const std::string& name, int64_t fallback, int64_t mi
   if (v < min || v > max)
     return Status::InvalidArgument("--" + name + " = " + std::to_string(v) + " is outside " + std::to_string(min) +
                                    ".." + std::to_string(max));
+  return v;
+}
+
+Result<double> Flags::Double(const std::string& name, double fallback, double min, double max) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  const std::string& text = it->second;
+  double v = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || ptr != end || !std::isfinite(v))
+    return Status::InvalidArgument("--" + name + ": '" + text + "' is not a number");
+  if (v < min || v > max)
+    return Status::InvalidArgument("--" + name + " = " + text + " is outside " + Number(min) + ".." + Number(max));
   return v;
 }
 

@@ -46,6 +46,8 @@ constexpr const char* kUsage =
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
+    "           --deadline-skip-limit F [1] (deadline: a sequence's call whose cold misses pass F of\n"
+    "           its selected head-pages at the layer waits for them)\n"
     "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
     "report:    --recall-every 8 (0: no recall) --recall-layers L0,L1,... [every sparse layer]\n"
     "           --top-r 16 (at most the shortest sequence's tokens when first diagnosed:\n"
@@ -75,16 +77,10 @@ Status ParsePolicy(const Flags& f, const Geometry& g, SelectionPolicy& p) {
   p.sink_pages = int(sink), p.local_pages = int(local);
   QKV_ASSIGN_OR_RETURN(std::string gqa, f.String("gqa", "max"));
   QKV_ASSIGN_OR_RETURN(p.gqa, ParseGqaMode(gqa));
-  QKV_ASSIGN_OR_RETURN(std::string rerank, f.String("rerank", "0"));
-  char* end = nullptr;
-  p.rerank = std::strtod(rerank.c_str(), &end);
-  if (rerank.empty() || *end != '\0') return Status::InvalidArgument("--rerank: '" + rerank + "' is not a number");
+  QKV_ASSIGN_OR_RETURN(p.rerank, f.Double("rerank", p.rerank, 0, 1e6));
   QKV_ASSIGN_OR_RETURN(int64_t group_pages, f.Int("group-pages", p.group_pages, 0, 1 << 16));
   p.group_pages = int(group_pages);
-  QKV_ASSIGN_OR_RETURN(std::string unread, f.String("unread-bound-mass", "0"));
-  p.unread_bound_mass = std::strtod(unread.c_str(), &end);
-  if (unread.empty() || *end != '\0')
-    return Status::InvalidArgument("--unread-bound-mass: '" + unread + "' is not a number");
+  QKV_ASSIGN_OR_RETURN(p.unread_bound_mass, f.Double("unread-bound-mass", p.unread_bound_mass, 0, 1));
   QKV_ASSIGN_OR_RETURN(p.adaptive_floor, f.Int("adaptive-floor", p.adaptive_floor, 0, int64_t(1) << 40));
   QKV_ASSIGN_OR_RETURN(std::string block, f.String("block-selection", "per-position"));
   QKV_ASSIGN_OR_RETURN(p.block_selection, ParseBlockSelection(block));
@@ -182,11 +178,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   o.batch = int(batch);
   QKV_ASSIGN_OR_RETURN(int64_t draft, f.Int("draft", 0, 0, 64));
   o.draft = int(draft);
-  QKV_ASSIGN_OR_RETURN(std::string accept, f.String("accept-rate", "0.7"));
-  char* end = nullptr;
-  o.accept_rate = std::strtod(accept.c_str(), &end);
-  if (accept.empty() || *end != '\0' || !(o.accept_rate >= 0 && o.accept_rate <= 1))
-    return Status::InvalidArgument("--accept-rate: '" + accept + "' is not a probability in 0..1");
+  QKV_ASSIGN_OR_RETURN(o.accept_rate, f.Double("accept-rate", o.accept_rate, 0, 1));
   if (f.has("accept-rate") && o.draft == 0) return Status::InvalidArgument("--accept-rate needs --draft");
   if (f.has("block-selection") && o.draft == 0) return Status::InvalidArgument("--block-selection needs --draft");
 
@@ -213,6 +205,10 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   o.config.prefetch_pages = int(prefetch);
   QKV_ASSIGN_OR_RETURN(std::string cold, f.String("cold-miss", "strict"));
   QKV_ASSIGN_OR_RETURN(o.config.cold_miss, ParseColdMissPolicy(cold));
+  QKV_ASSIGN_OR_RETURN(o.config.deadline_skip_limit,
+                       f.Double("deadline-skip-limit", o.config.deadline_skip_limit, 0, 1));
+  if (f.has("deadline-skip-limit") && o.config.cold_miss != ColdMissPolicy::kDeadline)
+    return Status::InvalidArgument("--deadline-skip-limit needs --cold-miss deadline");
 
   QKV_ASSIGN_OR_RETURN(int64_t every, f.Int("recall-every", o.recall_every, 0, INT32_MAX));
   // Unset, R is at most the tokens of the shortest sequence when first diagnosed.
@@ -241,7 +237,7 @@ int RunMain(int argc, char** argv) {
   Flags flags({"backend", "dtype", "summary-dtype", "gen", "decode-api", "preset", "layers", "q-heads", "kv-heads", "head-dim", "page-size", "workload", "seed", "context", "steps",
                "batch", "token-budget", "sink-pages", "local-pages", "gqa", "dense-layers", "layer-budgets",
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
-               "cold-miss", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
+               "cold-miss", "deadline-skip-limit", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
                "draft", "accept-rate", "block-selection", "rerank", "group-pages", "unread-bound-mass", "adaptive-floor"},
               {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "no-stage-misses", "gather-misses",
                "split-long-rows", "mma-scores", "profile-host", "help"});

@@ -940,11 +940,17 @@ std::string FormatReport(const RunReport& r) {
   Line(out, "  policy             budget %lld tokens, sink %d + local %d pages, gqa %s, dense layers [%s]\n",
        static_cast<long long>(p.token_budget), p.sink_pages, p.local_pages, std::string(GqaModeName(p.gqa)).c_str(),
        dense.c_str());
+  std::string cold(ColdMissPolicyName(o.config.cold_miss));
+  if (o.config.cold_miss == ColdMissPolicy::kDeadline && o.config.deadline_skip_limit < 1) {
+    char limit[64];
+    std::snprintf(limit, sizeof limit, " (a call waits past %g%% skipped)", 100 * o.config.deadline_skip_limit);
+    cold += limit;
+  }
   Line(out, "  tiers              hbm %s (peak %s), host %s (peak %s), disk %s (peak %s), summaries %s; cold miss %s\n",
        Mib(int64_t(t.hbm_capacity_bytes)).c_str(), Mib(int64_t(t.hbm_peak_bytes)).c_str(),
        Mib(int64_t(t.host_capacity_bytes)).c_str(), Mib(int64_t(t.host_peak_bytes)).c_str(),
        Mib(int64_t(t.disk_capacity_bytes)).c_str(), Mib(int64_t(t.disk_peak_bytes)).c_str(),
-       Mib(int64_t(t.summary_bytes)).c_str(), std::string(ColdMissPolicyName(o.config.cold_miss)).c_str());
+       Mib(int64_t(t.summary_bytes)).c_str(), cold.c_str());
   Line(out, "  prefill            %.2f s\n", r.prefill_seconds);
   Line(out, "  decode calls       %s\n",
        o.device_decode ? "device pointers, every layer enqueued back to back (diagnosed layers wait)"
@@ -994,10 +1000,11 @@ std::string FormatReport(const RunReport& r) {
     Line(out, "  %-18s %d steps, p50 %.0f us, host link %s a step, %.1f%% hit\n",
          ("query " + std::string(QueryKindName(k.kind))).c_str(), k.steps, k.us.p50,
          Mib(k.host_link_bytes / k.steps).c_str(), Pct(k.hits, k.hits + k.misses));
-  Line(out, "  disk               cold misses %lld, stalls %lld, pages skipped %lld, demotions %lld, promotions %lld "
-       "(%lld ahead of need), I/O errors %lld, corruptions %lld\n",
+  Line(out, "  disk               cold misses %lld, stalls %lld (%lld calls past the skip limit), pages skipped %lld, "
+       "demotions %lld, promotions %lld (%lld ahead of need), I/O errors %lld, corruptions %lld\n",
        static_cast<long long>(t.cold_misses), static_cast<long long>(t.cold_stalls),
-       static_cast<long long>(t.pages_skipped), static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
+       static_cast<long long>(t.deadline_waits), static_cast<long long>(t.pages_skipped),
+       static_cast<long long>(t.demotions), static_cast<long long>(t.promotions),
        static_cast<long long>(t.prefetches),
        static_cast<long long>(t.io_errors), static_cast<long long>(t.corruptions));
   if (r.diagnosed == 0) {
@@ -1085,6 +1092,7 @@ std::string ReportJson(const RunReport& r) {
   j.Field("pcie_saved", r.dense_offload_bytes ? 1.0 - double(link) / double(r.dense_offload_bytes) : 0.0);
   const TierStats& t = r.tiers;
   j.Field("cold_miss", ColdMissPolicyName(r.options.config.cold_miss));
+  j.Field("deadline_skip_limit", r.options.config.deadline_skip_limit);
   j.BeginObject("tiers");
   TierJson(j, "hbm", t.hbm_capacity_bytes, t.hbm_peak_bytes, t.hbm_used_bytes);
   TierJson(j, "host", t.host_capacity_bytes, t.host_peak_bytes, t.host_used_bytes);
@@ -1102,6 +1110,7 @@ std::string ReportJson(const RunReport& r) {
       .Field("cold_misses", t.cold_misses)
       .Field("cold_stalls", t.cold_stalls)
       .Field("pages_skipped", t.pages_skipped)
+      .Field("deadline_waits", t.deadline_waits)
       .Field("demotions", t.demotions)
       .Field("promotions", t.promotions)
       .Field("clean_drops", t.clean_drops)
