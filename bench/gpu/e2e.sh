@@ -48,6 +48,8 @@
 #            $RECALL_LAYERS_512K, default 2,31)
 #   l3-512k-all-rrC, l3-512k-all-adE, l3-512k-all-dense   l3-512k-all with the two-stage re-rank
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
+#   l3-512k-deadline-slF, l3-1m-deadline-slF   l3-512k-deadline and l3-1m-deadline with a skip
+#            limit (--deadline-skip-limit F): a call whose cold misses pass F of its selection waits
 # PROFILE_HOST=0 drops --profile-host (its host phases and the stream's marks: events between
 # a step's calls) to time the step without them.
 set -u -o pipefail
@@ -145,10 +147,11 @@ for run in $RUNS; do
         fi
         one sweep-$ctx-8th --preset llama3-8b --context $ctx --steps 16 --recall-every 0 --hbm-bytes $((kv / 8))
       done ;;
-    l3-1m-strict | l3-1m-deadline | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
+    l3-1m-strict | l3-1m-deadline | l3-1m-deadline-sl* | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
       rm -rf "$DISK" && mkdir -p "$DISK"
       hbm="--hbm-bytes 16G --cold-miss ${run#l3-1m-}"
       case $run in
+        l3-1m-deadline-sl*) hbm="--hbm-bytes 16G --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
         l3-1m-all) hbm="--cold-miss deadline" ;;
         l3-1m-all-rr*) hbm="--cold-miss deadline --rerank ${run#l3-1m-all-rr}" ;;
         l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
@@ -158,10 +161,12 @@ for run in $RUNS; do
         --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
-    l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict)
+    l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict | \
+    l3-512k-deadline-sl*)
       mode="--cold-miss deadline"
       case $run in
         l3-512k-deadline | l3-512k-strict) mode="--hbm-bytes 8G --cold-miss ${run#l3-512k-}" ;;
+        l3-512k-deadline-sl*) mode="--hbm-bytes 8G --cold-miss deadline --deadline-skip-limit ${run#l3-512k-deadline-sl}" ;;
         l3-512k-all-rr*) mode="$mode --rerank ${run#l3-512k-all-rr}" ;;
         l3-512k-all-ad*) mode="$mode --unread-bound-mass ${run#l3-512k-all-ad}" ;;
         l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" ;;

@@ -86,10 +86,11 @@ def selection(runs):
     sparse layers' (the dense layers' hundreds of thousands a step would hide them). The output
     error splits into the selection's own (exact attention over the selected pages, against dense)
     and the attended output's against that (what skipped pages and rounding cost); at the sampled
-    calls, the share of selected head-pages skipped and the attended error of the calls that skipped."""
+    calls, the share of selected head-pages skipped and the attended error of the calls that skipped;
+    with a skip limit, the calls that waited for their cold misses instead."""
     hdr = ("run", "head-pages %", "recall mass", "out err (selection / attended)", "adaptive pages mean/P95/max",
            "at cap %",
-           "skipped % (of sparse)", "sampled: skipped % (err)")
+           "skipped % (of sparse)", "calls waited", "sampled: skipped % (err)")
     rows = []
     for name, r in runs.items():
         rec, a = r.get("recall", {}), r.get("adaptive", {})
@@ -103,7 +104,8 @@ def selection(runs):
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
                      "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
                      "%.3f (%.1f)" % (100 * skipped / max(1, r["head_pages_selected"]), 100 * skipped / sparse_selected(r))
-                     if skipped else "-", sampled_skips(rec.get("calls", []))))
+                     if skipped else "-", r.get("disk_events", {}).get("deadline_waits", 0) or "-",
+                     sampled_skips(rec.get("calls", []))))
     if not rows:
         return
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]

@@ -17,11 +17,6 @@ Status CudaBackendImpl::Init() {
     return Status::InvalidArgument("the CUDA backend supports GQA groups 1 to 8, not " + std::to_string(G));
   if (c_.policy.group_pages != 0)
     return Status::Unimplemented("the CUDA backend selects by the flat Quest scan: group_pages needs the CPU backend");
-  // Its deadline calls resolve and attend on the device without the host:
-  // nothing sees a call's cold share before it attends.
-  if (c_.cold_miss == ColdMissPolicy::kDeadline && c_.deadline_skip_limit < 1 && c_.disk_dir.size())
-    return Status::Unimplemented(
-        "the CUDA backend's deadline calls never wait for the host: deadline_skip_limit below 1 needs the CPU backend");
   const SelectionPolicy& sp = c_.policy;
   if (sp.unread_bound_mass != 0 &&
       (sp.gqa == GqaMode::kUnion || sp.rerank > 0 || sp.block_selection == BlockSelection::kShared))
@@ -280,8 +275,9 @@ BackendCounters CudaBackendImpl::counters() {
   out.cold_misses = int64_t(c.misses_disk);
   out.evictions = int64_t(c.evictions) + extra_evictions_;
   out.bytes_host_to_hbm = int64_t(c.bytes_host_to_hbm) + extra_bytes_;
-  out.cold_stalls = int64_t(c.cold_stalls);
-  out.pages_skipped = int64_t(c.pages_skipped);
+  out.cold_stalls = int64_t(c.cold_stalls) + skips_waited_;
+  out.pages_skipped = int64_t(c.pages_skipped) - skips_waited_;
+  out.deadline_waits = deadline_waits_;
   out.slots_capacity = uint64_t(slots_);
   out.slots_used = uint64_t(slots_ - int64_t(free_.size()));
   out.slots_peak = slots_peak_;

@@ -419,6 +419,9 @@ class CudaBackendImpl final : public DataPlane {
     kc::AttendPlan aplan;
     int64_t entries = 0;  // selection bound of the whole batch
     bool strict = false, cold_waits = false, fill_in_attention = false;
+    // deadline with a skip limit below 1: the call waits for the host, which
+    // decides list by list whether its cold misses are skipped or waited for
+    bool skip_limit = false;
     bool want_sel = false, note = false, timed = false, async = false;
     int qcap = 0;
     std::size_t qbytes_req = 0;
@@ -434,6 +437,7 @@ class CudaBackendImpl final : public DataPlane {
     const void* q = nullptr;
     kc::ResolveParams rp;
     std::vector<kc::ResolveRequest> cold;
+    std::vector<int32_t> skipped;  // entries a skip-limited call attends without (sorted)
   };
   Status RunStep(const StepArgs& s);
   Status PlanStep(const StepArgs& s, StepPlan& p);
@@ -447,6 +451,9 @@ class CudaBackendImpl final : public DataPlane {
   kc::ResolveParams ResolveParamsFor(const StepArgs& s, const StepPlan& p);
   Status ReadCold(StepPlan& p, int32_t n);
   Status SettleCold(const StepArgs& s, StepPlan& p);
+  // Under a skip limit: which of the first resolve's cold misses (p.cold)
+  // the call skips (into p.skipped; the rest stay in p.cold to wait for).
+  Status ChooseSkips(StepPlan& p);
   Status Enqueue(const StepArgs& s, StepPlan& p, bool capturing);
   // A padded step's q into qpad_, and its kernels' outputs from opad_ into `out`.
   Status PadQ(const StepPlan& p);
@@ -627,6 +634,9 @@ class CudaBackendImpl final : public DataPlane {
   std::vector<Partition> parts_;
   std::vector<uint32_t> free_parts_;
   int64_t extra_bytes_ = 0, extra_evictions_ = 0;  // moved by strict re-resolves
+  // Cold misses the device counted as skipped that a skip-limited call
+  // waited for instead, and the calls (lists at a layer) that waited.
+  int64_t skips_waited_ = 0, deadline_waits_ = 0;
   HostProfile prof_{kHostPhaseNames, kHostPhases};
   HostProfile append_prof_{kAppendPhaseNames, kAppendPhases};  // calls of fewer than S tokens (decode)
   HostProfile fill_prof_{kAppendPhaseNames, kAppendPhases};    // of S or more (prefill)

@@ -336,7 +336,8 @@ Status CudaBackendImpl::GrowLists(const StepArgs&, StepPlan& p) {
 
 Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {
   p.strict = c_.cold_miss == ColdMissPolicy::kStrict;
-  p.cold_waits = p.strict && mover_->has_disk();
+  p.skip_limit = !p.strict && c_.deadline_skip_limit < 1 && mover_->has_disk();
+  p.cold_waits = (p.strict || p.skip_limit) && mover_->has_disk();
   // The attention fetches the misses itself (their PCIe round trips overlap
   // its reads of the hits), unless a strict step resolves twice: its first
   // resolve's fills must land before the second classifies them as hits.

@@ -17,14 +17,59 @@ Status CudaBackendImpl::ReadCold(StepPlan& p, int32_t n) {
   return Status::Ok();
 }
 
-// Cold misses under strict: promote, publish, resolve again (hits stay
-// hits). The re-runs count on scratch counters; only their traffic is kept.
+// A skip-limited call's lists (a sequence, or the rows sharing a list, at
+// this layer): a list whose cold misses pass the limit's share of its
+// selected head-pages waits for all of them, the others skip theirs (their
+// promotions start from the call's report, as under deadline).
+Status CudaBackendImpl::ChooseSkips(StepPlan& p) {
+  // The resolve's rows (a list's KV heads): capacities from the header the
+  // host built, entries used as the select counted them.
+  const int H = g_.kv_heads, rows = p.L * H;
+  const int32_t* cap = p.hdr.data() + (p.block ? p.o_usel : p.o_sel);
+  std::vector<int32_t> used(rows);
+  QKV_CUDA(cudaMemcpyAsync(used.data(), p.rp.sel_count, used.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  QKV_RETURN_IF_ERROR(Sync());
+  std::vector<int64_t> selected(p.L, 0), cold(p.L, 0);
+  for (int r = 0; r < rows; ++r) selected[r / H] += std::min(used[r], cap[r + 1] - cap[r]);
+  for (const kc::ResolveRequest& r : p.cold) ++cold[r.row / H];
+  std::vector<bool> waits(p.L);
+  for (int l = 0; l < p.L; ++l) {
+    waits[l] = double(cold[l]) > c_.deadline_skip_limit * double(selected[l]);
+    deadline_waits_ += waits[l];
+  }
+  std::vector<kc::ResolveRequest> wait;
+  p.skipped.clear();
+  for (const kc::ResolveRequest& r : p.cold) {
+    if (waits[r.row / H]) {
+      wait.push_back(r);
+    } else {
+      p.skipped.push_back(r.entry);
+    }
+  }
+  std::sort(p.skipped.begin(), p.skipped.end());
+  skips_waited_ += int64_t(wait.size());
+  p.cold = std::move(wait);
+  return Status::Ok();
+}
+
+// Cold misses under strict (or past a skip limit): promote, publish,
+// resolve again (hits stay hits). The re-runs count on scratch counters;
+// only their traffic is kept. A skip-limited call skips in every round only
+// what it chose to skip in the first: a page that leaves the host while the
+// call waits (made room for another) is waited for too.
 Status CudaBackendImpl::SettleCold(const StepArgs& s, StepPlan& p) {
   for (int round = 0;; ++round) {
     int32_t n = 0;
     QKV_CUDA(cudaMemcpyAsync(&n, p.rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
     QKV_RETURN_IF_ERROR(Sync());
     QKV_RETURN_IF_ERROR(ReadCold(p, n));
+    if (p.skip_limit && round == 0) {
+      QKV_RETURN_IF_ERROR(ChooseSkips(p));
+    } else if (p.skip_limit) {
+      std::erase_if(p.cold, [&](const kc::ResolveRequest& r) {
+        return std::binary_search(p.skipped.begin(), p.skipped.end(), r.entry);
+      });
+    }
     if (p.cold.empty()) return Status::Ok();
     if (round > 64) return Status::Internal("cold misses do not settle");
     // Every read in flight before waiting for any.

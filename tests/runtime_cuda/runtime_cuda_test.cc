@@ -400,6 +400,19 @@ TEST(CudaGraphs, ReplayedStepsEqualDirectLaunches) {
   EXPECT_EQ(sa.bytes_host_to_hbm, sb.bytes_host_to_hbm);
 }
 
+// `mem` (the scenario's in-memory config) with 1100 head-pages of hbm, a
+// host tier for 200 of its ~800 pages and the rest on disk in `dir`.
+Config WithDiskTier(const Config& mem, const std::filesystem::path& dir, ColdMissPolicy policy) {
+  Config c = mem;
+  c.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
+  c.host_bytes = 200 * 4096;
+  c.disk_dir = dir.string();
+  c.disk_bytes = 64 << 20;
+  c.io_backend = IoBackendKind::kPread;
+  c.cold_miss = policy;
+  return c;
+}
+
 // Host tier smaller than the cache, the rest on disk: under `strict` the
 // outputs are the in-memory ones, bit for bit; under `deadline` the run
 // completes and counts what it skipped.
@@ -408,12 +421,7 @@ TEST(CudaTiers, DiskTierStrictIsBitIdenticalAndDeadlineCompletes) {
   const auto dir = std::filesystem::temp_directory_path() / ("questkv_cuda_disk_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   Config mem = MakeConfig(Backend::kCuda, c);
-  Config strict = mem;
-  strict.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
-  strict.host_bytes = 200 * 4096;  // 200 of ~800 pages
-  strict.disk_dir = dir.string();
-  strict.disk_bytes = 64 << 20;
-  strict.io_backend = IoBackendKind::kPread;
+  Config strict = WithDiskTier(mem, dir, ColdMissPolicy::kStrict);
   Config deadline = strict;
   deadline.cold_miss = ColdMissPolicy::kDeadline;
   deadline.disk_dir = (dir / "d").string();
@@ -441,6 +449,38 @@ TEST(CudaTiers, DiskTierStrictIsBitIdenticalAndDeadlineCompletes) {
     EXPECT_EQ(d->live_pages(), 0u);
   }
   std::filesystem::remove_all(dir);
+}
+
+// `deadline` with a skip limit: limit 0 waits for every cold miss and
+// computes the in-memory outputs bit for bit; a limit between skips and
+// waits, each cold miss counted once as one or the other.
+TEST(CudaTiers, DeadlineSkipLimitWaitsPastItAndZeroIsStrict) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  const auto dir = std::filesystem::temp_directory_path() / ("questkv_cuda_limit_" + std::to_string(::getpid()));
+  Config mem = MakeConfig(Backend::kCuda, c);
+  for (const double limit : {0.0, 0.3}) {
+    SCOPED_TRACE("limit " + std::to_string(limit));
+    std::filesystem::create_directories(dir);
+    Config tiers = WithDiskTier(mem, dir, ColdMissPolicy::kDeadline);
+    tiers.deadline_skip_limit = limit;
+    {
+      QKV_CREATE_CUDA(a, mem);
+      QKV_CREATE_CUDA(b, tiers);
+      if (limit == 0) {
+        Twins tw({a.get(), b.get()}, mem.geometry, c.dtype);
+        RunScenario(tw, mem.geometry, 0, 3);
+      } else {
+        Twins tw({b.get()}, mem.geometry, c.dtype);
+        RunScenario(tw, mem.geometry, 0, 3);
+      }
+      const TierStats s = b->tier_stats();
+      EXPECT_GT(s.cold_misses, 0);
+      EXPECT_EQ(s.cold_stalls + s.pages_skipped, s.cold_misses);
+      EXPECT_GT(s.deadline_waits, 0);
+      if (limit == 0) EXPECT_EQ(s.pages_skipped, 0);
+    }
+    std::filesystem::remove_all(dir);
+  }
 }
 
 // Fork (copy of a partial tail), rollback (in place and from a sealed page),
@@ -846,13 +886,8 @@ TEST(CudaApi, EnqueuedStepsWithADiskTier) {
   const auto dir = std::filesystem::temp_directory_path() / ("questkv_cuda_async_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   Config mem = MakeConfig(Backend::kCuda, c);
-  Config tiered = mem;
-  tiered.hbm_bytes = 1100 * 2 * 16 * 64 * 2;
+  Config tiered = WithDiskTier(mem, dir, ColdMissPolicy::kDeadline);
   tiered.host_bytes = 400 * 4096;
-  tiered.disk_dir = dir.string();
-  tiered.disk_bytes = 64 << 20;
-  tiered.io_backend = IoBackendKind::kPread;
-  tiered.cold_miss = ColdMissPolicy::kDeadline;
   {
     QKV_CREATE_CUDA(ref, mem);
     QKV_CREATE_CUDA(dev, tiered);
