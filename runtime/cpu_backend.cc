@@ -399,12 +399,6 @@ Result<HeadSource> CpuBackend::Resolve(PageId page, int head, uint32_t part, boo
   return HeadSource{dst, dst + n, false};
 }
 
-// Attends one (sequence, KV head) over the given logical pages, resolving
-// each through the tiers, waiting for cold misses or skipping them. When
-// the host tier cannot take a page because earlier pages of the row are read
-// in place from it, the row so far is attended, those pointers released,
-// and the row continues: pages are merged in the same order, so the output
-// is bit for bit the same as in one piece.
 int64_t CpuBackend::CountCold(int b, int h, const int32_t* logical, int n) {
   const uint32_t* pages = csr_.pages(b);
   int64_t cold = 0;
@@ -415,6 +409,12 @@ int64_t CpuBackend::CountCold(int b, int h, const int32_t* logical, int n) {
   return cold;
 }
 
+// Attends one (sequence, KV head) over the given logical pages, resolving
+// each through the tiers, waiting for cold misses or skipping them. When
+// the host tier cannot take a page because earlier pages of the row are read
+// in place from it, the row so far is attended, those pointers released,
+// and the row continues: pages are merged in the same order, so the output
+// is bit for bit the same as in one piece.
 Status CpuBackend::AttendRow(int b, int kv_head, const int32_t* logical, int n, const float* q, float* out) {
   const uint32_t* pages = csr_.pages(b);
   const int last = csr_.num_pages(b) - 1;
