@@ -51,14 +51,16 @@ struct Pair {
   std::unique_ptr<Runtime> ref, tiered;
 };
 
-Pair MakePair(ColdMissPolicy policy, std::unique_ptr<IoBackend> io) {
+// An all-in-memory runtime beside one with `tiered_config`'s tiers on `io`
+// (a runtime that fails to be created is null).
+Pair MakePair(const Config& tiered_config, std::unique_ptr<IoBackend> io) {
   Pair p;
   auto ref = Runtime::Create(Base());
   EXPECT_TRUE(ref.ok()) << ref.status().ToString();
-  auto tiered = Runtime::Create(Tiny(policy), std::move(io));
+  auto tiered = Runtime::Create(tiered_config, std::move(io));
   EXPECT_TRUE(tiered.ok()) << tiered.status().ToString();
-  p.ref = std::move(*ref);
-  p.tiered = std::move(*tiered);
+  if (ref.ok()) p.ref = std::move(*ref);
+  if (tiered.ok()) p.tiered = std::move(*tiered);
   return p;
 }
 
@@ -73,7 +75,7 @@ void AppendBoth(Pair& p, SeqId a, SeqId b, int64_t n, uint64_t seed) {
 }
 
 TEST(Tiered, StrictOutputsAreBitIdenticalToAllInMemory) {
-  Pair p = MakePair(ColdMissPolicy::kStrict, MakeMemoryBackend(8, /*reorder_seed=*/3));
+  Pair p = MakePair(Tiny(ColdMissPolicy::kStrict), MakeMemoryBackend(8, /*reorder_seed=*/3));
   std::vector<SeqId> ra, ta;
   for (int i = 0; i < 3; ++i) {
     ra.push_back(*p.ref->CreateSequence());
@@ -111,10 +113,8 @@ TEST(Tiered, StrictOutputsAreBitIdenticalToAllInMemory) {
 TEST(Tiered, RunnersUpArePromotedAheadOfNeedWhereTheHostHasRoom) {
   Config c = Tiny(ColdMissPolicy::kStrict);
   c.host_bytes = 60 * 4096;
-  auto rt = Runtime::Create(c, MakeMemoryBackend(8));
-  ASSERT_TRUE(rt.ok());
-  auto ref = Runtime::Create(Base());
-  Pair p{std::move(*ref), std::move(*rt)};
+  Pair p = MakePair(c, MakeMemoryBackend(8));
+  ASSERT_TRUE(p.ref && p.tiered);
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
   AppendBoth(p, r, t, 600, 21);  // 150 pages per layer, host for 60
   std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
@@ -129,7 +129,7 @@ TEST(Tiered, RunnersUpArePromotedAheadOfNeedWhereTheHostHasRoom) {
 }
 
 TEST(Tiered, DeadlineSkipsColdPagesAndLetsThemLand) {
-  Pair p = MakePair(ColdMissPolicy::kDeadline, MakeMemoryBackend(8));
+  Pair p = MakePair(Tiny(ColdMissPolicy::kDeadline), MakeMemoryBackend(8));
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
   AppendBoth(p, r, t, 400, 1);
   std::vector<float> q(4 * 16), o(q.size());
@@ -156,11 +156,8 @@ TEST(Tiered, DeadlineWaitsForACallWhoseSkipsWouldPassItsLimit) {
     SCOPED_TRACE("limit " + std::to_string(limit));
     Config c = Tiny(ColdMissPolicy::kDeadline);
     c.deadline_skip_limit = limit;
-    auto tiered = Runtime::Create(c, MakeMemoryBackend(8));
-    ASSERT_TRUE(tiered.ok()) << tiered.status().ToString();
-    auto ref = Runtime::Create(Base());
-    ASSERT_TRUE(ref.ok());
-    Pair p{std::move(*ref), std::move(*tiered)};
+    Pair p = MakePair(c, MakeMemoryBackend(8));
+    ASSERT_TRUE(p.ref && p.tiered);
     SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
     AppendBoth(p, r, t, 400, 3);
     std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
@@ -251,7 +248,7 @@ TEST_P(TieredFaults, NoWrongKvErrorsSurfaceNothingLeaks) {
   FaultPlan plan;
   plan.seed = 11;
   plan.*(GetParam().field) = GetParam().rate;
-  Pair p = MakePair(ColdMissPolicy::kStrict, MakeFaultInjectingBackend(MakeMemoryBackend(8, 5), plan));
+  Pair p = MakePair(Tiny(ColdMissPolicy::kStrict), MakeFaultInjectingBackend(MakeMemoryBackend(8, 5), plan));
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
   AppendBoth(p, r, t, 300, 4);
   std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
@@ -304,7 +301,7 @@ TEST(Tiered, DelayedAndReorderedCompletionsChangeNothing) {
   FaultPlan plan;
   plan.seed = 3;
   plan.delay = 0.5;
-  Pair p = MakePair(ColdMissPolicy::kStrict, MakeFaultInjectingBackend(MakeMemoryBackend(8, 9), plan));
+  Pair p = MakePair(Tiny(ColdMissPolicy::kStrict), MakeFaultInjectingBackend(MakeMemoryBackend(8, 9), plan));
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
   AppendBoth(p, r, t, 300, 4);
   std::vector<float> q(4 * 16), o1(q.size()), o2(q.size());
@@ -428,7 +425,7 @@ TEST(Tiered, ADiskThatRefusesEveryWriteEndsInAnErrorNotAHang) {
   for (double FaultPlan::*fault : {&FaultPlan::write_enospc, &FaultPlan::write_eio}) {
     FaultPlan plan;
     plan.*fault = 1.0;
-    Pair p = MakePair(ColdMissPolicy::kStrict, MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
+    Pair p = MakePair(Tiny(ColdMissPolicy::kStrict), MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
     SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
     const std::string reason = fault == &FaultPlan::write_enospc ? "No space left on device" : "Input/output error";
     const int64_t held = AppendUntilRefused(p, r, t, Code::kIOError, reason);
@@ -493,7 +490,7 @@ TEST(Tiered, ADiskBudgetPastTheFileSizeLimitIsRefusedAtCreation) {
 TEST(Tiered, DeadlineSurfacesAPageThatCannotBeRead) {
   FaultPlan plan;
   plan.read_eio = 1.0;
-  Pair p = MakePair(ColdMissPolicy::kDeadline, MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
+  Pair p = MakePair(Tiny(ColdMissPolicy::kDeadline), MakeFaultInjectingBackend(MakeMemoryBackend(8), plan));
   SeqId r = *p.ref->CreateSequence(), t = *p.tiered->CreateSequence();
   AppendBoth(p, r, t, 400, 1);
   std::vector<float> q(4 * 16), o(q.size());
