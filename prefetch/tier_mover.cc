@@ -41,6 +41,24 @@ void TierMover::SetHostValid(uint32_t page, bool valid) {
   if (listener_) listener_(page, valid ? host_->data(h.host_slot) : nullptr);
 }
 
+void TierMover::NoteClean(uint32_t page) {
+  Home& h = homes_[page];
+  h.clean_since = now_;
+  // A host's worth of entries at most: an older one is stale by then, or its
+  // page is left to the demotion order.
+  if (clean_.size() >= host_->capacity()) clean_.pop_front();
+  clean_.push_back({page, h.generation, now_});
+}
+
+void TierMover::DropClean(uint32_t page) {
+  Home& h = homes_[page];
+  SetHostValid(page, false);
+  ReleaseHome(h.host_slot);
+  h.host_slot = kNoSlot;
+  h.clean_since = -1;
+  ++stats_.clean_drops;
+}
+
 void TierMover::ReleaseHome(uint32_t slot) {
   const uint64_t queued = device_.queued ? device_.queued() : 0;
   if (queued == 0) {
@@ -87,11 +105,12 @@ void TierMover::NoteSelected(std::span<const uint32_t> pages, int64_t step) {
 }
 
 Result<void*> TierMover::SealBegin(uint32_t page, uint32_t generation, int64_t step) {
+  now_ = step;
   Home& h = homes_[page];
   assert(h.host_slot == kNoSlot && h.io == Io::kIdle);
   auto slot = host_->Allocate();
   if (!slot.ok()) {
-    QKV_RETURN_IF_ERROR(MakeHostRoom(step));
+    QKV_RETURN_IF_ERROR(MakeHostRoom(step, /*for_wait=*/false));
     slot = host_->Allocate();
     if (!slot.ok()) return slot.status();
   }
@@ -220,6 +239,7 @@ void TierMover::Drop(uint32_t page) {
 }
 
 Status TierMover::Pump(int64_t step) {
+  now_ = step;
   QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
@@ -271,6 +291,8 @@ Status TierMover::Complete(const DiskCompletion& c) {
       SetHostValid(c.page_id, false);
       ReleaseHome(h.host_slot);
       h.host_slot = kNoSlot;
+    } else {
+      NoteClean(c.page_id);
     }
   } else {
     ++stats_.promotions;
@@ -278,6 +300,7 @@ Status TierMover::Complete(const DiskCompletion& c) {
     h.error = Status::Ok();
     h.read_failures = 0;
     SetHostValid(c.page_id, true);
+    NoteClean(c.page_id);
   }
   CountHost();
   return Status::Ok();
@@ -333,12 +356,8 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
       const uint32_t p = order_[order_pos_];
       Home& h = homes_[p];
       if (!eligible(h) || h.last_step > order_step_) continue;  // gone, busy, or selected since
-      if (disk_->Holds(p, h.generation)) {
-        // Immutable page already on disk: leaving the host costs no write.
-        SetHostValid(p, false);
-        ReleaseHome(h.host_slot);
-        h.host_slot = kNoSlot;
-        ++stats_.clean_drops;
+      if (disk_->Holds(p, h.generation)) {  // immutable page already on disk: leaving costs no write
+        DropClean(p);
         --used;
         continue;
       }
@@ -372,6 +391,26 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
   return Status::Ok();
 }
 
+// Oldest first, once a model step has passed since the home became clean
+// and since its page was last selected; an entry whose page was selected
+// since leaves the queue (the demotion order still sees the page).
+std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step) {
+  const int64_t model_step = 2 * std::max(1, g_.layers);
+  std::size_t dropped = 0;
+  while (dropped < n && !clean_.empty() && step - clean_.front().since >= model_step) {
+    const CleanHome c = clean_.front();
+    clean_.pop_front();
+    const Home& h = homes_[c.page];
+    if (h.generation != c.generation || h.clean_since != c.since || !h.host_valid || h.io != Io::kIdle ||
+        h.pinned_epoch >= read_epoch_ || step - h.last_step < model_step || !disk_->Holds(c.page, c.generation))
+      continue;
+    DropClean(c.page);
+    ++dropped;
+  }
+  CountHost();
+  return dropped;
+}
+
 Status TierMover::DemotionFailed() const {
   return Status::IOError("host tier full (" + std::to_string(host_->capacity()) + " pages) and demotions to disk fail (" +
                          std::to_string(write_failures_in_a_row_) + " in a row; the pages keep their host homes); last: " +
@@ -381,7 +420,7 @@ Status TierMover::DemotionFailed() const {
 // Bounded: once kIoAttempts writes of this call have failed it stops
 // submitting; a disk already failing gets one probe write, which ends the
 // failing state if it lands.
-Status TierMover::MakeHostRoom(int64_t step) {
+Status TierMover::MakeHostRoom(int64_t step, bool for_wait) {
   // Slots the device is done with first; a wait for the device (a decode
   // call or so) is cheaper than a demotion's write.
   QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
@@ -389,6 +428,18 @@ Status TierMover::MakeHostRoom(int64_t step) {
   if (host_->used() < host_->capacity()) return Status::Ok();
   if (!disk_) return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
                                                " pages) and no disk tier to demote to");
+  // A cold miss waits for room: promoted homes (their disk copy exists)
+  // leave first, for free, enough for the promotions queued behind it to
+  // start too. At 512K tokens with 8 GiB of HBM (H100), `strict` wrote a
+  // never-selected page for every page it promoted, half the disk's time.
+  // A seal makes room by the order alone: dropping promoted homes for seals
+  // too made `deadline` skip more (6.2K head-pages against 5.4-5.7K on a
+  // 32K-token CPU run), the pages dropped being missed again.
+  if (for_wait && DropOldestClean(pending_.size() + 1, step) > 0) {
+    QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
+    if (host_->used() == host_->capacity() && !retired_.empty()) QKV_RETURN_IF_ERROR(Recycle(/*wait=*/true));
+    if (host_->used() < host_->capacity()) return Status::Ok();
+  }
   const int64_t failures_before = write_failures_;
   const int attempts = writes_failing() ? 1 : kIoAttempts;
   const std::size_t target = std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity()));
@@ -434,6 +485,7 @@ Status TierMover::StartPromotion(uint32_t page) {
 }
 
 Status TierMover::EnsureHost(uint32_t page, uint32_t generation, int64_t step) {
+  now_ = step;
   Home& h = homes_[page];
   assert(h.generation == generation);
   (void)generation;
@@ -441,7 +493,7 @@ Status TierMover::EnsureHost(uint32_t page, uint32_t generation, int64_t step) {
   if (h.io == Io::kIdle) {
     if (!disk_ || !disk_->Holds(page, h.generation))
       return h.error.ok() ? Status::Internal("page " + std::to_string(page) + " has no readable copy") : h.error;
-    if (host_->used() == host_->capacity()) QKV_RETURN_IF_ERROR(MakeHostRoom(step));
+    if (host_->used() == host_->capacity()) QKV_RETURN_IF_ERROR(MakeHostRoom(step, /*for_wait=*/true));
     Status s = StartPromotion(page);
     while (s.code() == Code::kResourceExhausted && disk_->in_flight() > 0) {  // queue full: make way
       QKV_RETURN_IF_ERROR(ReapAll(1));

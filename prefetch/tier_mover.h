@@ -9,7 +9,10 @@
 //   demote      host -> disk, coldest pages first (least recently, then least
 //               often selected), past the host high-water mark down to the low
 //               one; the host slot is freed once the write completed and its
-//               checksum held; a page whose disk copy exists leaves for free
+//               checksum held; a page whose disk copy exists leaves for free.
+//               When a cold miss waits for room, promoted homes leave first
+//               (oldest first, a model step after they landed and were last
+//               selected): no write stands between the wait and its read
 //   promote     disk -> host, for a cold miss: a call that waits (`strict`,
 //               or `deadline` past its skip limit) waits for it, one that
 //               does not skips the page this step and lets it land later;
@@ -172,14 +175,22 @@ class TierMover {
     uint64_t checksum = 0;    // PageChecksum at seal time
     bool pending = false;     // in pending_, waiting for its promotion to start
     uint8_t read_failures = 0; // failed promotion reads in a row
+    int64_t clean_since = -1;  // step its clean host copy landed (an entry in clean_)
     Status error;             // last failed read, surfaced to strict waiters
+  };
+  // A host home whose disk copy exists, from the step it became so.
+  struct CleanHome {
+    uint32_t page, generation;
+    int64_t since;
   };
   bool writes_failing() const { return write_failures_in_a_row_ >= kIoAttempts; }
   Status DemotionFailed() const;
   Status Complete(const DiskCompletion& c);
   Status ReapAll(int min_complete);
   Status WaitIdle(uint32_t page);
-  Status MakeHostRoom(int64_t step);
+  // Frees a host slot; `for_wait`: for a cold miss that waits (EnsureHost),
+  // which may take a promoted home's slot before anything is written.
+  Status MakeHostRoom(int64_t step, bool for_wait);
   // Writes stop at `max_in_flight` I/Os in flight (background demotion
   // leaves room in the queue for promotions; a failing disk gets one) or
   // at `max_new` submitted by this call (Pump's share of a call's host time).
@@ -196,6 +207,12 @@ class TierMover {
   // Host slots holding homes (used, less those retired): what the water marks judge.
   std::size_t homes_used() const { return host_->used() - retired_.size(); }
   void SetHostValid(uint32_t page, bool valid);
+  // The page's host home holds the bytes of its disk copy from now on.
+  void NoteClean(uint32_t page);
+  // Frees the host home of a page whose disk copy exists (no write).
+  void DropClean(uint32_t page);
+  // Drops up to n homes of clean_ that are a model step old; returns how many.
+  std::size_t DropOldestClean(std::size_t n, int64_t step);
   // Frees the slot of a home that was readable: at once, or once the device
   // calls that may read it are done.
   void ReleaseHome(uint32_t slot);
@@ -211,6 +228,8 @@ class TierMover {
   std::vector<DiskCompletion> done_;
   std::vector<uint32_t> order_;  // demotion candidates, coldest first (Demote)
   std::deque<std::pair<uint32_t, uint32_t>> pending_;  // (page, generation), oldest first
+  std::deque<CleanHome> clean_;  // host homes with a disk copy, oldest first (DropOldestClean)
+  int64_t now_ = 0;              // the newest step Pump, SealBegin or EnsureHost saw
   std::size_t order_pos_ = 0;
   int64_t order_step_ = -1;
   MoverStats stats_;

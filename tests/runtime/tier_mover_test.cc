@@ -183,6 +183,48 @@ TEST_F(TierMoverTest, ADemotionOrderLastsSixtyFourModelSteps) {
   CheckHomes();
 }
 
+// A promotion that waits for room takes it from a promoted page (its disk
+// copy exists: no write) before writing any, once a model step (two runtime
+// steps at one layer) has passed since that page landed and since it was
+// last selected.
+TEST_F(TierMoverTest, AWaitForRoomDropsAPromotedPageBeforeWriting) {
+  StrictWithThreeOnDisk(13);  // 0, 1, 2 on disk; 3..6 (last selected at 5..8) on the host
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(mover_->EnsureHost(0, 1, 30).ok());  // lands at step 30
+  mover_->NoteSelected(0, 28);
+  for (uint32_t p = 7; p < 10; ++p) SealPage(p, uint8_t(7 * p), 30);
+  ASSERT_EQ(host_->used(), kHostSlots);
+  // One runtime step after page 0 landed: too young to leave, so page 1's
+  // promotion waits for writes (the coldest, down to the low-water mark).
+  int64_t writes = mover_->stats().demotions;
+  ASSERT_TRUE(mover_->EnsureHost(1, 1, 31).ok());
+  ASSERT_TRUE(mover_->Pump(31).ok());  // the rest of the writes complete
+  EXPECT_EQ(mover_->stats().demotions - writes, 4);
+  EXPECT_EQ(mover_->stats().clean_drops, 0);
+  ASSERT_NE(mover_->HostHome(0), nullptr) << "a page promoted a runtime step ago left";
+
+  // A model step after it landed, page 0 makes room for page 2 at no write.
+  for (uint32_t p = 10; p < 13; ++p) SealPage(p, uint8_t(7 * p), 32);
+  ASSERT_EQ(host_->used(), kHostSlots);
+  writes = mover_->stats().demotions;
+  ASSERT_TRUE(mover_->EnsureHost(2, 1, 32).ok());
+  EXPECT_EQ(mover_->HostHome(0), nullptr) << "pages were written while a promoted page could leave";
+  EXPECT_EQ(mover_->stats().clean_drops, 1);
+  EXPECT_EQ(mover_->stats().demotions, writes);
+  EXPECT_EQ(disk_->in_flight(), 0);
+
+  // Page 1, promoted before page 2 but selected a runtime step ago, stays;
+  // page 2 leaves to make room for page 0, which reads back from disk.
+  mover_->NoteSelected(1, 40);
+  ASSERT_EQ(host_->used(), kHostSlots);
+  ASSERT_TRUE(mover_->EnsureHost(0, 1, 41).ok());
+  EXPECT_NE(mover_->HostHome(1), nullptr) << "a promoted page selected a runtime step ago left";
+  EXPECT_EQ(mover_->HostHome(2), nullptr);
+  EXPECT_EQ(mover_->stats().clean_drops, 2);
+  EXPECT_EQ(mover_->stats().demotions, writes);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, MissedPagesPromoteAboveHighWaterSpeculativeReadsDoNot) {
   // Pages 0..6 take 7 of 8 slots (high water 6); the three coldest (0, 1, 2) go to disk.
   StrictWithThreeOnDisk(5);
