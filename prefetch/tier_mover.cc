@@ -435,16 +435,14 @@ Status TierMover::MakeHostRoom(int64_t step, bool for_wait) {
   // A seal makes room by the order alone: dropping promoted homes for seals
   // too made `deadline` skip more (6.2K head-pages against 5.4-5.7K on a
   // 32K-token CPU run), the pages dropped being missed again.
-  if (for_wait && DropOldestClean(pending_.size() + 1, step) > 0) {
-    QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
-    if (host_->used() == host_->capacity() && !retired_.empty()) QKV_RETURN_IF_ERROR(Recycle(/*wait=*/true));
-    if (host_->used() < host_->capacity()) return Status::Ok();
-  }
+  // Their slots are free now, or retired until the device is done with
+  // them, which the loop below waits for before it writes anything.
+  if (for_wait) DropOldestClean(pending_.size() + 1, step);
   const int64_t failures_before = write_failures_;
   const int attempts = writes_failing() ? 1 : kIoAttempts;
   const std::size_t target = std::min<std::size_t>(host_->capacity() - 1, std::size_t(low_water_ * host_->capacity()));
   while (host_->used() == host_->capacity()) {
-    if (!retired_.empty()) {  // demoted in an earlier pass of this loop
+    if (!retired_.empty()) {  // dropped above, or demoted in an earlier pass of this loop
       QKV_RETURN_IF_ERROR(Recycle(/*wait=*/true));
       if (host_->used() < host_->capacity()) break;
     }
