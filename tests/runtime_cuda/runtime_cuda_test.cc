@@ -477,7 +477,9 @@ TEST(CudaTiers, DeadlineSkipLimitWaitsPastItAndZeroIsStrict) {
       EXPECT_GT(s.cold_misses, 0);
       EXPECT_EQ(s.cold_stalls + s.pages_skipped, s.cold_misses);
       EXPECT_GT(s.deadline_waits, 0);
-      if (limit == 0) EXPECT_EQ(s.pages_skipped, 0);
+      if (limit == 0) {
+        EXPECT_EQ(s.pages_skipped, 0);
+      }
     }
     std::filesystem::remove_all(dir);
   }
