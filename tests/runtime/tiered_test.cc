@@ -182,17 +182,26 @@ TEST(Tiered, DeadlineWaitsForACallWhoseSkipsWouldPassItsLimit) {
         ASSERT_LE(double(skipped), limit * double(selected));
         // Past its limit a call waits for all its cold misses, not only
         // for those beyond the limit (here nothing leaves the host mid-call).
-        if (waits) ASSERT_EQ(skipped, 0);
-        if (skipped == 0) ASSERT_EQ(o1, o2);
-        else ASSERT_NE(o1, o2);
+        if (waits) {
+          ASSERT_EQ(skipped, 0);
+        }
+        if (skipped == 0) {
+          ASSERT_EQ(o1, o2);
+        } else {
+          ASSERT_NE(o1, o2);
+        }
         limit_waits += waits;
         limit_skips += skipped > 0;
       }
     }
-    if (limit == 0) EXPECT_EQ(limit_skips, 0);
-    if (limit == 1) EXPECT_EQ(limit_waits, 0);
-    if (limit == 0) EXPECT_GT(limit_waits, 0);
-    if (limit == 1) EXPECT_GT(limit_skips, 0);
+    if (limit == 0) {
+      EXPECT_EQ(limit_skips, 0);
+      EXPECT_GT(limit_waits, 0);
+    }
+    if (limit == 1) {
+      EXPECT_EQ(limit_waits, 0);
+      EXPECT_GT(limit_skips, 0);
+    }
     waited += limit_waits, skipped_calls += limit_skips;
     EXPECT_EQ(p.tiered->tier_stats().deadline_waits, limit_waits);
   }
