@@ -150,30 +150,31 @@ for run in $RUNS; do
     l3-1m-strict | l3-1m-deadline | l3-1m-deadline-sl* | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
       rm -rf "$DISK" && mkdir -p "$DISK"
       hbm="--hbm-bytes 16G --cold-miss ${run#l3-1m-}"
+      # A dense layer has no selection to diagnose: the dense run samples no recall.
+      recall="--recall-every ${RECALL_1M:-8} --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31}"
       case $run in
         l3-1m-deadline-sl*) hbm="--hbm-bytes 16G --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
         l3-1m-all) hbm="--cold-miss deadline" ;;
         l3-1m-all-rr*) hbm="--cold-miss deadline --rerank ${run#l3-1m-all-rr}" ;;
         l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
-        l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $(seq -s, 0 31)" ;;
+        l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $(seq -s, 0 31)" recall="--recall-every 0" ;;
       esac
-      one $run --preset llama3-8b --context 1048576 --steps 16 --recall-every ${RECALL_1M:-8} \
-        --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31} $hbm \
+      one $run --preset llama3-8b --context 1048576 --steps 16 $recall $hbm \
         --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
       rm -rf "$DISK" ;;
     l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict | \
     l3-512k-deadline-sl*)
       mode="--cold-miss deadline"
+      recall="--recall-every ${RECALL_512K:-0} --recall-layers ${RECALL_LAYERS_512K:-2,31}"
       case $run in
         l3-512k-deadline | l3-512k-strict) mode="--hbm-bytes 8G --cold-miss ${run#l3-512k-}" ;;
         l3-512k-deadline-sl*) mode="--hbm-bytes 8G --cold-miss deadline --deadline-skip-limit ${run#l3-512k-deadline-sl}" ;;
         l3-512k-all-rr*) mode="$mode --rerank ${run#l3-512k-all-rr}" ;;
         l3-512k-all-ad*) mode="$mode --unread-bound-mass ${run#l3-512k-all-ad}" ;;
-        l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" ;;
+        l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" recall="--recall-every 0" ;;
       esac
       rm -rf "$DISK" && mkdir -p "$DISK"
-      one $run --preset llama3-8b --context 524288 --steps 16 --recall-every ${RECALL_512K:-0} \
-        --recall-layers ${RECALL_LAYERS_512K:-2,31} $mode \
+      one $run --preset llama3-8b --context 524288 --steps 16 $recall $mode \
         --host-bytes ${HOST_512K:-40G} --disk-dir "$DISK" --disk-bytes ${DISK_512K:-40G}
       rm -rf "$DISK" ;;
     *) echo "unknown run $run" >&2; status=1 ;;
