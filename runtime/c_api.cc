@@ -1,11 +1,13 @@
 // The C API (questkv.h) over questkv::Runtime: conversion and error capture only.
 #include "questkv/questkv.h"
 
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
 #include <span>
 #include <string>
+#include <type_traits>
 
 #include "questkv/runtime.h"
 
@@ -97,15 +99,25 @@ questkv::Config ToConfig(const qkv_config& c) {
   return cfg;
 }
 
+// A C caller may store any int in an enum field; in C++ loading a value
+// outside the enumerators' range is undefined, so the field's bytes are
+// read as its underlying integer.
+template <class E>
+bool InRange(const E& field, E lo, E hi) {
+  std::underlying_type_t<E> v;
+  std::memcpy(&v, &field, sizeof v);
+  return v >= std::underlying_type_t<E>(lo) && v <= std::underlying_type_t<E>(hi);
+}
+
 questkv::Status CheckEnums(const qkv_config& c) {
-  if (c.gqa < QKV_GQA_MAX || c.gqa > QKV_GQA_UNION) return questkv::Status::InvalidArgument("unknown gqa mode");
-  if (c.cold_miss < QKV_COLD_MISS_STRICT || c.cold_miss > QKV_COLD_MISS_DEADLINE)
+  if (!InRange(c.gqa, QKV_GQA_MAX, QKV_GQA_UNION)) return questkv::Status::InvalidArgument("unknown gqa mode");
+  if (!InRange(c.cold_miss, QKV_COLD_MISS_STRICT, QKV_COLD_MISS_DEADLINE))
     return questkv::Status::InvalidArgument("unknown cold-miss policy");
-  if (c.block_selection < QKV_BLOCK_PER_POSITION || c.block_selection > QKV_BLOCK_SHARED)
+  if (!InRange(c.block_selection, QKV_BLOCK_PER_POSITION, QKV_BLOCK_SHARED))
     return questkv::Status::InvalidArgument("unknown block selection");
-  if (c.backend < QKV_BACKEND_CPU || c.backend > QKV_BACKEND_CUDA) return questkv::Status::InvalidArgument("unknown backend");
-  if (c.dtype < QKV_DTYPE_F32 || c.dtype > QKV_DTYPE_BF16) return questkv::Status::InvalidArgument("unknown dtype");
-  if (c.summary_dtype < QKV_SUMMARY_KV || c.summary_dtype > QKV_SUMMARY_E4M3)
+  if (!InRange(c.backend, QKV_BACKEND_CPU, QKV_BACKEND_CUDA)) return questkv::Status::InvalidArgument("unknown backend");
+  if (!InRange(c.dtype, QKV_DTYPE_F32, QKV_DTYPE_BF16)) return questkv::Status::InvalidArgument("unknown dtype");
+  if (!InRange(c.summary_dtype, QKV_SUMMARY_KV, QKV_SUMMARY_E4M3))
     return questkv::Status::InvalidArgument("unknown summary dtype");
   if (c.num_dense_layers < 0 || (c.num_dense_layers > 0 && !c.dense_layers))
     return questkv::Status::InvalidArgument("dense_layers is null or num_dense_layers negative");

@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,14 @@ TEST(CApi, SessionFromCMatchesTheCppRuntime) {
   EXPECT_EQ(std::vector<float>(c_out.begin(), c_out.begin() + 64), out);
 }
 
+// Stores an int in a C enum field as a C caller may, whatever the enumerators
+// (a C++ cast to the enum type would be undefined outside their range).
+template <class E>
+void StoreInt(E& field, int v) {
+  static_assert(sizeof(E) == sizeof(int));
+  std::memcpy(&field, &v, sizeof v);
+}
+
 TEST(CApi, BadConfigsAreCodesWithMessages) {
   qkv_config cfg;
   qkv_config_default(&cfg);
@@ -48,19 +57,22 @@ TEST(CApi, BadConfigsAreCodesWithMessages) {
   EXPECT_EQ(rt, nullptr);
   EXPECT_NE(std::string(qkv_create_error()).find("kv_heads"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
-  cfg.gqa = static_cast<qkv_gqa_mode>(7);
+  StoreInt(cfg.gqa, 7);
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  StoreInt(cfg.gqa, -1);
+  EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qkv_create_error()).find("gqa mode"), std::string::npos) << qkv_create_error();
   EXPECT_EQ(qkv_create(nullptr, &rt), QKV_INVALID_ARGUMENT);
   qkv_config_default(&cfg);
-  cfg.backend = static_cast<qkv_backend>(5);
+  StoreInt(cfg.backend, 5);
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   qkv_config_default(&cfg);
-  cfg.summary_dtype = static_cast<qkv_summary_dtype>(2);
+  StoreInt(cfg.summary_dtype, 2);
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qkv_create_error()).find("summary dtype"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
   EXPECT_EQ(cfg.block_selection, QKV_BLOCK_PER_POSITION);
-  cfg.block_selection = static_cast<qkv_block_selection>(2);
+  StoreInt(cfg.block_selection, 2);
   EXPECT_EQ(qkv_create(&cfg, &rt), QKV_INVALID_ARGUMENT);
   EXPECT_NE(std::string(qkv_create_error()).find("block selection"), std::string::npos) << qkv_create_error();
   qkv_config_default(&cfg);
