@@ -42,7 +42,9 @@ uint64_t Finish(uint64_t h) {
 
 // Where the CPU has AVX-512 (vpmullq), the eight lanes run as one vector;
 // the result is bit-identical to the scalar clone (the lanes are independent).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: the clones' resolver runs while the loader
+// relocates, before the sanitizer's runtime is up, and crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define QKV_CHECKSUM_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
 #else
 #define QKV_CHECKSUM_CLONES
