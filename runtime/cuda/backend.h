@@ -453,7 +453,7 @@ class CudaBackendImpl final : public DataPlane {
   Status SettleCold(const StepArgs& s, StepPlan& p);
   // Under a skip limit: which of the first resolve's cold misses (p.cold)
   // the call skips (into p.skipped; the rest stay in p.cold to wait for).
-  Status ChooseSkips(StepPlan& p);
+  void ChooseSkips(StepPlan& p, const std::vector<int32_t>& used);
   Status Enqueue(const StepArgs& s, StepPlan& p, bool capturing);
   // A padded step's q into qpad_, and its kernels' outputs from opad_ into `out`.
   Status PadQ(const StepPlan& p);

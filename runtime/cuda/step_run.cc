@@ -20,15 +20,14 @@ Status CudaBackendImpl::ReadCold(StepPlan& p, int32_t n) {
 // A skip-limited call's lists (a sequence, or the rows sharing a list, at
 // this layer): a list whose cold misses pass the limit's share of its
 // selected head-pages waits for all of them, the others skip theirs (their
-// promotions start from the call's report, as under deadline).
-Status CudaBackendImpl::ChooseSkips(StepPlan& p) {
-  // The resolve's rows (a list's KV heads): capacities from the header the
-  // host built, entries used as the select counted them.
+// promotions start from the call's report, as under deadline). `used`: the
+// select's entries per resolve row (a list's KV heads), read back with the
+// cold count.
+void CudaBackendImpl::ChooseSkips(StepPlan& p, const std::vector<int32_t>& used) {
+  p.skipped.clear();
+  if (p.cold.empty()) return;
   const int H = g_.kv_heads, rows = p.L * H;
-  const int32_t* cap = p.hdr.data() + (p.block ? p.o_usel : p.o_sel);
-  std::vector<int32_t> used(rows);
-  QKV_CUDA(cudaMemcpyAsync(used.data(), p.rp.sel_count, used.size() * 4, cudaMemcpyDeviceToHost, stream_));
-  QKV_RETURN_IF_ERROR(Sync());
+  const int32_t* cap = p.hdr.data() + (p.block ? p.o_usel : p.o_sel);  // capacities from the host's header
   std::vector<int64_t> selected(p.L, 0), cold(p.L, 0);
   for (int r = 0; r < rows; ++r) selected[r / H] += std::min(used[r], cap[r + 1] - cap[r]);
   for (const kc::ResolveRequest& r : p.cold) ++cold[r.row / H];
@@ -38,7 +37,6 @@ Status CudaBackendImpl::ChooseSkips(StepPlan& p) {
     deadline_waits_ += waits[l];
   }
   std::vector<kc::ResolveRequest> wait;
-  p.skipped.clear();
   for (const kc::ResolveRequest& r : p.cold) {
     if (waits[r.row / H]) {
       wait.push_back(r);
@@ -49,7 +47,6 @@ Status CudaBackendImpl::ChooseSkips(StepPlan& p) {
   std::sort(p.skipped.begin(), p.skipped.end());
   skips_waited_ += int64_t(wait.size());
   p.cold = std::move(wait);
-  return Status::Ok();
 }
 
 // Cold misses under strict (or past a skip limit): promote, publish,
@@ -58,13 +55,20 @@ Status CudaBackendImpl::ChooseSkips(StepPlan& p) {
 // what it chose to skip in the first: a page that leaves the host while the
 // call waits (made room for another) is waited for too.
 Status CudaBackendImpl::SettleCold(const StepArgs& s, StepPlan& p) {
+  std::vector<int32_t> used;
   for (int round = 0;; ++round) {
     int32_t n = 0;
     QKV_CUDA(cudaMemcpyAsync(&n, p.rp.cold_count, 4, cudaMemcpyDeviceToHost, stream_));
+    // A skip-limited call's first wait also brings the select's counts.
+    const bool choose = p.skip_limit && round == 0;
+    if (choose) {
+      used.resize(std::size_t(p.L) * g_.kv_heads);
+      QKV_CUDA(cudaMemcpyAsync(used.data(), p.rp.sel_count, used.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    }
     QKV_RETURN_IF_ERROR(Sync());
     QKV_RETURN_IF_ERROR(ReadCold(p, n));
-    if (p.skip_limit && round == 0) {
-      QKV_RETURN_IF_ERROR(ChooseSkips(p));
+    if (choose) {
+      ChooseSkips(p, used);
     } else if (p.skip_limit) {
       std::erase_if(p.cold, [&](const kc::ResolveRequest& r) {
         return std::binary_search(p.skipped.begin(), p.skipped.end(), r.entry);
