@@ -67,7 +67,12 @@ def sparse_selected(r):
     g = r["geometry"]
     S, ctx, dense = g["page_size"], r["context_tokens"], len(r.get("dense_layers", []))
     per_step = [dense * g["kv_heads"] * r["batch"] * ((ctx + step) // S + 1) for step in range(r["decode_steps"])]
-    return max(1, r["head_pages_selected"] - sum(per_step))
+    return r["head_pages_selected"] - sum(per_step)
+
+
+def share(part, whole):
+    """part as a percentage of whole, or "-" where there is no whole (every layer dense)."""
+    return "%.1f" % (100 * part / whole) if whole > 0 else "-"
 
 
 def sampled_skips(calls):
@@ -103,7 +108,7 @@ def selection(runs):
                                              rec.get("attended_rel_error", float("nan"))) if sampled else "-",
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
                      "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
-                     "%.3f (%.1f)" % (100 * skipped / max(1, r["head_pages_selected"]), 100 * skipped / sparse_selected(r))
+                     "%.3f (%s)" % (100 * skipped / max(1, r["head_pages_selected"]), share(skipped, sparse_selected(r)))
                      if skipped else "-", r.get("disk_events", {}).get("deadline_waits", 0) or "-",
                      sampled_skips(rec.get("calls", []))))
     if not rows:
