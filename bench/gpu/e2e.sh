@@ -39,6 +39,8 @@
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
 #            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
 #   RUN-mma  any run above with --mma-scores (the select's scores on the tensor cores), named RUN-mma
+#   RUN-16l  any run above with 16 layers (--layers 16); the 1M runs' HBM, host and disk halved
+#            (8G, 40G, 28G): l3-1m-all-16l's 64 GiB of K/V fit an H100, each layer's work unchanged
 #   l3-1m-all-rrC, l3-1m-all-adE, l3-1m-all-dense   l3-1m-all with the two-stage re-rank
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
@@ -81,12 +83,16 @@ one() {  # name, flags...
 }
 for run in $RUNS; do
   # RUN-mma: RUN with the select's scores on the tensor cores.
-  SUFFIX="" EXTRA=""
+  SUFFIX="" EXTRA="" LAYERS=32
   if [ "${run%-mma}" != "$run" ]; then run=${run%-mma} SUFFIX=-mma EXTRA=--mma-scores; fi
+  # RUN-16l: RUN with 16 of the preset's 32 layers, the 1M runs' HBM and homes halved with them
+  # (a 1M run's K/V, 64 GiB, then fits an H100; a layer's work is the same).
+  if [ "${run%-16l}" != "$run" ]; then run=${run%-16l} SUFFIX=-16l$SUFFIX EXTRA="$EXTRA --layers 16" LAYERS=16; fi
+  DENSE=$(seq -s, 0 $((LAYERS - 1)))
   case $run in
     l3-all) one l3-all $L3 --recall-every 32 ;;
     l3-all-nog) one l3-all-nog $L3 --recall-every 0 --no-cuda-graphs ;;
-    l3-all-dense) one l3-all-dense $L3 --recall-every 0 --dense-layers $(seq -s, 0 31) ;;
+    l3-all-dense) one l3-all-dense $L3 --recall-every 0 --dense-layers $DENSE ;;
     gen-check) one sweep-32768-hostgen --preset llama3-8b --context 32768 --steps 16 --recall-every 0 --gen host ;;
     l3-2g) one l3-2g $L3 --hbm-bytes 2G --recall-every 0 ;;
     l3-all-e4m3) one l3-all-e4m3 $L3 --summary-dtype e4m3 --recall-every 32 ;;
@@ -106,7 +112,7 @@ for run in $RUNS; do
       spec=${run#draft-}; extra=""
       # draft-CTX-N-dense: every layer dense (the block's dense attention);
       # draft-CTX-N-shared: one page set a block (--block-selection shared).
-      [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && extra="--dense-layers $(seq -s, 0 31)"
+      [ "${spec%-dense}" != "$spec" ] && spec=${spec%-dense} && extra="--dense-layers $DENSE"
       [ "${spec%-shared}" != "$spec" ] && spec=${spec%-shared} && extra="--block-selection shared"
       ctx=${spec%-*}; n=${spec#*-}
       # From 512K on, the K/V is homed on $HOST_512K / $HOST_1M of pinned host and the rest on
@@ -149,18 +155,19 @@ for run in $RUNS; do
       done ;;
     l3-1m-strict | l3-1m-deadline | l3-1m-deadline-sl* | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
       rm -rf "$DISK" && mkdir -p "$DISK"
-      hbm="--hbm-bytes 16G --cold-miss ${run#l3-1m-}"
+      hbm="--hbm-bytes $((LAYERS / 2))G --cold-miss ${run#l3-1m-}"
       # A dense layer has no selection to diagnose: the dense run samples no recall.
-      recall="--recall-every ${RECALL_1M:-8} --recall-layers ${RECALL_LAYERS_1M:-2,11,21,31}"
+      recall="--recall-every ${RECALL_1M:-8}"
+      recall="$recall --recall-layers ${RECALL_LAYERS_1M:-2,$((LAYERS * 11 / 32)),$((LAYERS * 21 / 32)),$((LAYERS - 1))}"
       case $run in
-        l3-1m-deadline-sl*) hbm="--hbm-bytes 16G --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
+        l3-1m-deadline-sl*) hbm="--hbm-bytes $((LAYERS / 2))G --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
         l3-1m-all) hbm="--cold-miss deadline" ;;
         l3-1m-all-rr*) hbm="--cold-miss deadline --rerank ${run#l3-1m-all-rr}" ;;
         l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
-        l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $(seq -s, 0 31)" recall="--recall-every 0" ;;
+        l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $DENSE" recall="--recall-every 0" ;;
       esac
       one $run --preset llama3-8b --context 1048576 --steps 16 $recall $hbm \
-        --host-bytes ${HOST_1M:-80G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-56G}
+        --host-bytes ${HOST_1M:-$((LAYERS * 5 / 2))G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-$((LAYERS * 7 / 4))G}
       rm -rf "$DISK" ;;
     l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict | \
     l3-512k-deadline-sl*)
@@ -171,7 +178,7 @@ for run in $RUNS; do
         l3-512k-deadline-sl*) mode="--hbm-bytes 8G --cold-miss deadline --deadline-skip-limit ${run#l3-512k-deadline-sl}" ;;
         l3-512k-all-rr*) mode="$mode --rerank ${run#l3-512k-all-rr}" ;;
         l3-512k-all-ad*) mode="$mode --unread-bound-mass ${run#l3-512k-all-ad}" ;;
-        l3-512k-all-dense) mode="$mode --dense-layers $(seq -s, 0 31)" recall="--recall-every 0" ;;
+        l3-512k-all-dense) mode="$mode --dense-layers $DENSE" recall="--recall-every 0" ;;
       esac
       rm -rf "$DISK" && mkdir -p "$DISK"
       one $run --preset llama3-8b --context 524288 --steps 16 $recall $mode \

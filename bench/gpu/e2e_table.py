@@ -26,10 +26,14 @@ def load(folder):
 
 
 def twin(name, runs):
+    base, suffix = name, ""
+    for s in ("-mma", "-16l"):  # variants of a run (e2e.sh): the twin is the same variant
+        if base.endswith(s):
+            base, suffix = base[: -len(s)], s + suffix
     for a, b in (("-2g", "-all"), ("-8g", "-all"), ("-8th", "-all"), ("-strict", "-all"), ("-deadline", "-all"),
                  ("-nog", ""), ("-hostgen", "-all")):
-        if name.endswith(a) and name[: -len(a)] + b in runs:
-            return runs[name[: -len(a)] + b]
+        if base.endswith(a) and base[: -len(a)] + b + suffix in runs:
+            return runs[base[: -len(a)] + b + suffix]
     return None
 
 
