@@ -394,8 +394,8 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
 // Oldest first, once a model step has passed since the home became clean
 // and since its page was last selected; an entry whose page was selected
 // since leaves the queue (the demotion order still sees the page).
-std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step) {
-  const int64_t model_step = 2 * std::max(1, g_.layers);
+std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step, int64_t min_age) {
+  const int64_t model_step = min_age >= 0 ? min_age : 2 * std::max(1, g_.layers);
   std::size_t dropped = 0;
   while (dropped < n && !clean_.empty() && step - clean_.front().since >= model_step) {
     const CleanHome c = clean_.front();
@@ -454,6 +454,9 @@ Status TierMover::MakeHostRoom(int64_t step, bool for_wait) {
     if (disk_->in_flight() == 0) {
       if (writes_failing()) return DemotionFailed();
       const DiskStats& d = disk_->stats();
+      // Every disk slot taken: no page without a disk copy can leave, so
+      // promoted homes do, however young (their disk copies stay).
+      if (d.slots_used == d.slots_capacity && DropOldestClean(pending_.size() + 1, step, /*min_age=*/0) > 0) continue;
       if (d.slots_used == d.slots_capacity)
         return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
                                          " pages) and disk tier full (" + std::to_string(d.slots_capacity) +

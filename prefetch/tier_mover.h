@@ -12,7 +12,9 @@
 //               checksum held; a page whose disk copy exists leaves for free.
 //               When a cold miss waits for room, promoted homes leave first
 //               (oldest first, a model step after they landed and were last
-//               selected): no write stands between the wait and its read
+//               selected): no write stands between the wait and its read.
+//               With the disk full, the pages without a disk copy cannot
+//               leave: promoted homes do, however young
 //   promote     disk -> host, for a cold miss: a call that waits (`strict`,
 //               or `deadline` past its skip limit) waits for it, one that
 //               does not skips the page this step and lets it land later;
@@ -211,8 +213,9 @@ class TierMover {
   void NoteClean(uint32_t page);
   // Frees the host home of a page whose disk copy exists (no write).
   void DropClean(uint32_t page);
-  // Drops up to n homes of clean_ that are a model step old; returns how many.
-  std::size_t DropOldestClean(std::size_t n, int64_t step);
+  // Drops up to n homes of clean_ that landed, and were last selected, at
+  // least `min_age` runtime steps ago (default: a model step); returns how many.
+  std::size_t DropOldestClean(std::size_t n, int64_t step, int64_t min_age = -1);
   // Frees the slot of a home that was readable: at once, or once the device
   // calls that may read it are done.
   void ReleaseHome(uint32_t slot);

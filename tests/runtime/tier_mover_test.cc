@@ -351,6 +351,42 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   std::filesystem::remove_all(dir_.string() + "-small");
 }
 
+// Host and disk hold every page with two slots to spare, and the pages on
+// disk are the hot ones (a strict step's cold misses, or a diagnostic pass
+// reading a whole layer in one step). A promotion keeps its disk copy, so
+// after a few the disk is full and the coldest host pages, having no disk
+// copy, cannot leave; the promoted homes, young as they are, must leave
+// instead, for free, rather than the reads failing for want of disk room.
+TEST_F(TierMoverTest, PromotionsWithTheDiskFullDropPromotedHomes) {
+  mover_.reset();
+  disk_.reset();
+  auto disk = DiskTier::Open({dir_.string() + "-small", 24 * 4096, g_.page_bytes()}, MakeMemoryBackend(4));
+  ASSERT_TRUE(disk.ok());
+  disk_ = std::move(*disk);
+  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
+  mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  const uint32_t pages = kHostSlots + disk_->stats().slots_capacity - 2;
+  ASSERT_LE(pages, kPages) << disk_->stats().slots_capacity << " disk slots";
+  for (uint32_t p = 0; p < pages; ++p) SealPage(p, uint8_t(3 * p), 1);
+  ASSERT_TRUE(mover_->Pump(2).ok());
+  std::vector<uint32_t> on_disk;
+  for (uint32_t p = 0; p < pages; ++p)
+    if (!mover_->HostHome(p)) on_disk.push_back(p);
+  ASSERT_GE(on_disk.size(), std::size_t(kHostSlots));
+  mover_->NoteSelected(on_disk, 10);
+  std::vector<uint8_t> bytes(g_.page_bytes());
+  for (uint32_t p : on_disk) {
+    const Status s = mover_->ReadPage(p, 1, bytes.data(), 10);
+    ASSERT_TRUE(s.ok()) << "page " << p << ": " << s.ToString();
+    EXPECT_EQ(bytes, truth_[p]) << "page " << p;
+  }
+  EXPECT_GT(mover_->stats().clean_drops, 0);
+  EXPECT_EQ(mover_->stats().io_errors, 0);
+  CheckHomes();
+  std::filesystem::remove_all(dir_.string() + "-small");
+}
+
 // A device reads host homes in place (the CUDA backend's zero-copy misses)
 // for calls that return before it is done: a home that stops being readable
 // while such a call may read it is reused only once that call is done —
