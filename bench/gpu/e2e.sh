@@ -39,8 +39,9 @@
 #            waits, but `strict` would make every layer wait for its (zero) cold count, without
 #            graphs. The sweep's 1M points are l3-1m-all and l3-1m-deadline.
 #   RUN-mma  any run above with --mma-scores (the select's scores on the tensor cores), named RUN-mma
-#   RUN-16l  any run above with 16 layers (--layers 16); the 1M runs' HBM, host and disk halved
-#            (8G, 40G, 28G): l3-1m-all-16l's 64 GiB of K/V fit an H100, each layer's work unchanged
+#   RUN-16l  any run above with 16 layers (--layers 16); the 1M runs' host and disk halved (40G, 28G),
+#            their HBM 12014M (the two dense layers' 8 GiB and each sparse layer's share at 32 layers):
+#            l3-1m-all-16l's 64 GiB of K/V fit an H100, each layer's work unchanged
 #   l3-1m-all-rrC, l3-1m-all-adE, l3-1m-all-dense   l3-1m-all with the two-stage re-rank
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 #   l3-512k-all  the same at 512K tokens (64 GiB of K/V + 4 GiB of summaries fit an H100), homes on
@@ -85,8 +86,8 @@ for run in $RUNS; do
   # RUN-mma: RUN with the select's scores on the tensor cores.
   SUFFIX="" EXTRA="" LAYERS=32
   if [ "${run%-mma}" != "$run" ]; then run=${run%-mma} SUFFIX=-mma EXTRA=--mma-scores; fi
-  # RUN-16l: RUN with 16 of the preset's 32 layers, the 1M runs' HBM and homes halved with them
-  # (a 1M run's K/V, 64 GiB, then fits an H100; a layer's work is the same).
+  # RUN-16l: RUN with 16 of the preset's 32 layers, the 1M runs' homes halved with them (a 1M
+  # run's K/V, 64 GiB, then fits an H100; a layer's work is the same).
   if [ "${run%-16l}" != "$run" ]; then run=${run%-16l} SUFFIX=-16l$SUFFIX EXTRA="$EXTRA --layers 16" LAYERS=16; fi
   DENSE=$(seq -s, 0 $((LAYERS - 1)))
   case $run in
@@ -155,12 +156,14 @@ for run in $RUNS; do
       done ;;
     l3-1m-strict | l3-1m-deadline | l3-1m-deadline-sl* | l3-1m-all | l3-1m-all-rr* | l3-1m-all-ad* | l3-1m-all-dense)
       rm -rf "$DISK" && mkdir -p "$DISK"
-      hbm="--hbm-bytes $((LAYERS / 2))G --cold-miss ${run#l3-1m-}"
+      # 16G at 32 layers: the two dense layers' 8 GiB and 8/30 GiB a sparse layer.
+      hbm_1m="$((8192 + (LAYERS - 2) * 8192 / 30))M"
+      hbm="--hbm-bytes $hbm_1m --cold-miss ${run#l3-1m-}"
       # A dense layer has no selection to diagnose: the dense run samples no recall.
       recall="--recall-every ${RECALL_1M:-8}"
       recall="$recall --recall-layers ${RECALL_LAYERS_1M:-2,$((LAYERS * 11 / 32)),$((LAYERS * 21 / 32)),$((LAYERS - 1))}"
       case $run in
-        l3-1m-deadline-sl*) hbm="--hbm-bytes $((LAYERS / 2))G --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
+        l3-1m-deadline-sl*) hbm="--hbm-bytes $hbm_1m --cold-miss deadline --deadline-skip-limit ${run#l3-1m-deadline-sl}" ;;
         l3-1m-all) hbm="--cold-miss deadline" ;;
         l3-1m-all-rr*) hbm="--cold-miss deadline --rerank ${run#l3-1m-all-rr}" ;;
         l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
