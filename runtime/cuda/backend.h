@@ -445,7 +445,6 @@ class CudaBackendImpl final : public DataPlane {
   Status PlanShared(StepPlan& p);
   void PlanUnion(StepPlan& p);
   Status GrowLists(const StepArgs& s, StepPlan& p);
-  int64_t PinnedSelected(const StepArgs& s, const StepPlan& p, int l) const;
   Status PlanResolveAndAttend(const StepArgs& s, StepPlan& p);
   Status ReserveStepBuffers(const StepArgs& s, StepPlan& p);
   void PackHeader(const StepArgs& s, StepPlan& p);
