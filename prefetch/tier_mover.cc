@@ -20,6 +20,8 @@ constexpr int64_t kOrderAgeModelSteps = 64;
 // host page took 411 ms for 1.3M of them (a 1M-token Llama-3-8B's host tier;
 // this machine), the partial selection and sort of the coldest 64K 50 ms.
 constexpr std::size_t kOrderBatch = std::size_t(1) << 16;
+// Disk copies a full disk's scan releases at once (ReleaseHotDiskCopies).
+constexpr std::size_t kReleaseBatch = 256;
 // Demotion writes a Pump call submits at most. Each costs the decode thread
 // its pre-write checksum and submit (~6 us). 16 a call while missed pages
 // waited for host room let 57% more promotions through at 512K with 8 GiB of
@@ -339,10 +341,7 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
       order_.clear();
       for (uint32_t p = 0; p < homes_.size(); ++p)
         if (eligible(homes_[p])) order_.push_back(p);
-      auto colder = [&](uint32_t a, uint32_t b) {
-        const Home &x = homes_[a], &y = homes_[b];
-        return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
-      };
+      auto colder = [&](uint32_t a, uint32_t b) { return Colder(a, b); };
       if (order_.size() > kOrderBatch) {
         std::nth_element(order_.begin(), order_.begin() + kOrderBatch, order_.end(), colder);
         order_.resize(kOrderBatch);
@@ -394,8 +393,8 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
 // Oldest first, once a model step has passed since the home became clean
 // and since its page was last selected; an entry whose page was selected
 // since leaves the queue (the demotion order still sees the page).
-std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step, int64_t min_age) {
-  const int64_t model_step = min_age >= 0 ? min_age : 2 * std::max(1, g_.layers);
+std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step) {
+  const int64_t model_step = 2 * std::max(1, g_.layers);
   std::size_t dropped = 0;
   while (dropped < n && !clean_.empty() && step - clean_.front().since >= model_step) {
     const CleanHome c = clean_.front();
@@ -409,6 +408,21 @@ std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step, int64_t min_
   }
   CountHost();
   return dropped;
+}
+
+std::size_t TierMover::ReleaseHotDiskCopies(std::size_t n) {
+  std::vector<uint32_t> both;
+  for (uint32_t p = 0; p < homes_.size(); ++p) {
+    const Home& h = homes_[p];
+    if (h.host_valid && h.io == Io::kIdle && disk_->Holds(p, h.generation)) both.push_back(p);
+  }
+  n = std::min(n, both.size());
+  std::partial_sort(both.begin(), both.begin() + n, both.end(), [&](uint32_t a, uint32_t b) { return Colder(b, a); });
+  for (std::size_t i = 0; i < n; ++i) {
+    disk_->Drop(both[i]);
+    homes_[both[i]].clean_since = -1;
+  }
+  return n;
 }
 
 Status TierMover::DemotionFailed() const {
@@ -454,9 +468,10 @@ Status TierMover::MakeHostRoom(int64_t step, bool for_wait) {
     if (disk_->in_flight() == 0) {
       if (writes_failing()) return DemotionFailed();
       const DiskStats& d = disk_->stats();
-      // Every disk slot taken: no page without a disk copy can leave, so
-      // promoted homes do, however young (their disk copies stay).
-      if (d.slots_used == d.slots_capacity && DropOldestClean(pending_.size() + 1, step, /*min_age=*/0) > 0) continue;
+      // Every disk slot taken by pages the host holds too, or colder ones:
+      // the hottest of the former give up their disk copies (a batch for each
+      // scan), and the next pass writes the coldest host pages there.
+      if (d.slots_used == d.slots_capacity && ReleaseHotDiskCopies(kReleaseBatch) > 0) continue;
       if (d.slots_used == d.slots_capacity)
         return Status::ResourceExhausted("host tier full (" + std::to_string(host_->capacity()) +
                                          " pages) and disk tier full (" + std::to_string(d.slots_capacity) +

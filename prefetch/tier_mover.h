@@ -13,8 +13,8 @@
 //               When a cold miss waits for room, promoted homes leave first
 //               (oldest first, a model step after they landed and were last
 //               selected): no write stands between the wait and its read.
-//               With the disk full, the pages without a disk copy cannot
-//               leave: promoted homes do, however young
+//               With the disk full, the hottest host pages with a disk
+//               copy give their disk slots to the coldest pages without one
 //   promote     disk -> host, for a cold miss: a call that waits (`strict`,
 //               or `deadline` past its skip limit) waits for it, one that
 //               does not skips the page this step and lets it land later;
@@ -213,9 +213,17 @@ class TierMover {
   void NoteClean(uint32_t page);
   // Frees the host home of a page whose disk copy exists (no write).
   void DropClean(uint32_t page);
-  // Drops up to n homes of clean_ that landed, and were last selected, at
-  // least `min_age` runtime steps ago (default: a model step); returns how many.
-  std::size_t DropOldestClean(std::size_t n, int64_t step, int64_t min_age = -1);
+  // Least recently selected, then least often.
+  bool Colder(uint32_t a, uint32_t b) const {
+    const Home &x = homes_[a], &y = homes_[b];
+    return x.last_step != y.last_step ? x.last_step < y.last_step : x.uses < y.uses;
+  }
+  // Drops up to n homes of clean_ that are a model step old; returns how many.
+  std::size_t DropOldestClean(std::size_t n, int64_t step);
+  // Frees the disk slots of the n most recently selected pages whose host
+  // home holds their bytes too (a scan of every page): the demotion order's
+  // coldest pages take them. Returns how many.
+  std::size_t ReleaseHotDiskCopies(std::size_t n);
   // Frees the slot of a home that was readable: at once, or once the device
   // calls that may read it are done.
   void ReleaseHome(uint32_t slot);

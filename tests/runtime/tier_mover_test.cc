@@ -351,13 +351,13 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   std::filesystem::remove_all(dir_.string() + "-small");
 }
 
-// Host and disk hold every page with two slots to spare, and the pages on
-// disk are the hot ones (a strict step's cold misses, or a diagnostic pass
-// reading a whole layer in one step). A promotion keeps its disk copy, so
-// after a few the disk is full and the coldest host pages, having no disk
-// copy, cannot leave; the promoted homes, young as they are, must leave
-// instead, for free, rather than the reads failing for want of disk room.
-TEST_F(TierMoverTest, PromotionsWithTheDiskFullDropPromotedHomes) {
+// Host and disk hold every page with two slots to spare; the pages on the
+// host were never selected, four on disk are hot. A promotion keeps its disk
+// copy, so after two the disk is full and the cold host pages, having no disk
+// copy, cannot leave. The hot pages give up their disk copies and the cold
+// pages are written there: the reads succeed, and the hot pages stay on the
+// host (dropping them instead would read them again at the next step).
+TEST_F(TierMoverTest, WithTheDiskFullHotPagesGiveTheirDiskSlotsToTheColdest) {
   mover_.reset();
   disk_.reset();
   auto disk = DiskTier::Open({dir_.string() + "-small", 24 * 4096, g_.page_bytes()}, MakeMemoryBackend(4));
@@ -370,19 +370,24 @@ TEST_F(TierMoverTest, PromotionsWithTheDiskFullDropPromotedHomes) {
   ASSERT_LE(pages, kPages) << disk_->stats().slots_capacity << " disk slots";
   for (uint32_t p = 0; p < pages; ++p) SealPage(p, uint8_t(3 * p), 1);
   ASSERT_TRUE(mover_->Pump(2).ok());
-  std::vector<uint32_t> on_disk;
-  for (uint32_t p = 0; p < pages; ++p)
-    if (!mover_->HostHome(p)) on_disk.push_back(p);
-  ASSERT_GE(on_disk.size(), std::size_t(kHostSlots));
-  mover_->NoteSelected(on_disk, 10);
+  std::vector<uint32_t> hot;
+  for (uint32_t p = 0; p < pages && hot.size() < 4; ++p)
+    if (!mover_->HostHome(p)) hot.push_back(p);
+  ASSERT_EQ(hot.size(), 4u);
+  mover_->NoteSelected(hot, 10);
+  const int64_t writes = mover_->stats().demotions;
   std::vector<uint8_t> bytes(g_.page_bytes());
-  for (uint32_t p : on_disk) {
-    const Status s = mover_->ReadPage(p, 1, bytes.data(), 10);
-    ASSERT_TRUE(s.ok()) << "page " << p << ": " << s.ToString();
-    EXPECT_EQ(bytes, truth_[p]) << "page " << p;
+  for (int64_t step : {10, 11}) {
+    for (uint32_t p : hot) {
+      const Status s = mover_->ReadPage(p, 1, bytes.data(), step);
+      ASSERT_TRUE(s.ok()) << "step " << step << " page " << p << ": " << s.ToString();
+      EXPECT_EQ(bytes, truth_[p]) << "page " << p;
+    }
   }
-  EXPECT_GT(mover_->stats().clean_drops, 0);
+  EXPECT_EQ(mover_->stats().promotions, 4) << "a hot page left the host and was read again";
+  EXPECT_GE(mover_->stats().demotions - writes, 2) << "no cold page took a hot page's disk slot";
   EXPECT_EQ(mover_->stats().io_errors, 0);
+  for (uint32_t p : hot) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p;
   CheckHomes();
   std::filesystem::remove_all(dir_.string() + "-small");
 }
