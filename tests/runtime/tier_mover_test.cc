@@ -37,6 +37,18 @@ class TierMoverTest : public ::testing::Test {
     mover_.reset();
     disk_.reset();
     std::filesystem::remove_all(dir_);
+    std::filesystem::remove_all(dir_.string() + "-small");
+  }
+  // A fresh mover (as SetUp's) over a disk tier of `bytes`.
+  void UseSmallDisk(std::size_t bytes) {
+    mover_.reset();
+    disk_.reset();
+    auto disk = DiskTier::Open({dir_.string() + "-small", bytes, g_.page_bytes()}, MakeMemoryBackend(4));
+    ASSERT_TRUE(disk.ok()) << disk.status().ToString();
+    disk_ = std::move(*disk);
+    ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
+    mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
+    mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   }
   // Seals `page` with bytes derived from `seed` through SealBegin/SealEnd.
   void SealPage(uint32_t page, uint8_t seed, int64_t step) {
@@ -326,14 +338,7 @@ TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
 
 TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   // No disk room: a tiny disk tier.
-  mover_.reset();
-  disk_.reset();
-  auto disk = DiskTier::Open({dir_.string() + "-small", 4096, g_.page_bytes()}, MakeMemoryBackend(4));
-  ASSERT_TRUE(disk.ok());
-  disk_ = std::move(*disk);
-  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  ASSERT_NO_FATAL_FAILURE(UseSmallDisk(4096));
   Status last;
   uint32_t p = 0;
   for (; p < 40 && last.ok(); ++p) {
@@ -348,7 +353,6 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
   EXPECT_EQ(last.code(), Code::kResourceExhausted) << last.ToString();
   EXPECT_EQ(published_.count(p - 1), 0u) << "the refused page was published";
   CheckHomes();
-  std::filesystem::remove_all(dir_.string() + "-small");
 }
 
 // Host and disk hold every page with two slots to spare; the pages on the
@@ -358,14 +362,7 @@ TEST_F(TierMoverTest, SealFailsCleanlyWhenHostAndDiskAreFull) {
 // pages are written there: the reads succeed, and the hot pages stay on the
 // host (dropping them instead would read them again at the next step).
 TEST_F(TierMoverTest, WithTheDiskFullHotPagesGiveTheirDiskSlotsToTheColdest) {
-  mover_.reset();
-  disk_.reset();
-  auto disk = DiskTier::Open({dir_.string() + "-small", 24 * 4096, g_.page_bytes()}, MakeMemoryBackend(4));
-  ASSERT_TRUE(disk.ok());
-  disk_ = std::move(*disk);
-  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  ASSERT_NO_FATAL_FAILURE(UseSmallDisk(24 * 4096));
   const uint32_t pages = kHostSlots + disk_->stats().slots_capacity - 2;
   ASSERT_LE(pages, kPages) << disk_->stats().slots_capacity << " disk slots";
   for (uint32_t p = 0; p < pages; ++p) SealPage(p, uint8_t(3 * p), 1);
@@ -389,7 +386,6 @@ TEST_F(TierMoverTest, WithTheDiskFullHotPagesGiveTheirDiskSlotsToTheColdest) {
   EXPECT_EQ(mover_->stats().io_errors, 0);
   for (uint32_t p : hot) EXPECT_NE(mover_->HostHome(p), nullptr) << "page " << p;
   CheckHomes();
-  std::filesystem::remove_all(dir_.string() + "-small");
 }
 
 // A device reads host homes in place (the CUDA backend's zero-copy misses)
