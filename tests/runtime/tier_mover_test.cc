@@ -26,12 +26,7 @@ class TierMoverTest : public ::testing::Test {
     ASSERT_TRUE(host.ok());
     host_ = std::move(*host);
     dir_ = std::filesystem::temp_directory_path() / ("questkv_mover_" + std::to_string(::getpid()));
-    auto disk = DiskTier::Open({dir_.string(), 1 << 20, g_.page_bytes()}, MakeMemoryBackend(4));
-    ASSERT_TRUE(disk.ok()) << disk.status().ToString();
-    disk_ = std::move(*disk);
-    ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-    mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
-    mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+    OpenMover(dir_.string(), 1 << 20);
   }
   void TearDown() override {
     mover_.reset();
@@ -39,17 +34,20 @@ class TierMoverTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
     std::filesystem::remove_all(dir_.string() + "-small");
   }
-  // A fresh mover (as SetUp's) over a disk tier of `bytes`.
-  void UseSmallDisk(std::size_t bytes) {
+  // A fresh mover (high water 6, low water 4 of the 8 host slots) over a
+  // disk tier of `bytes` in `dir`.
+  void OpenMover(const std::string& dir, std::size_t bytes) {
     mover_.reset();
     disk_.reset();
-    auto disk = DiskTier::Open({dir_.string() + "-small", bytes, g_.page_bytes()}, MakeMemoryBackend(4));
+    auto disk = DiskTier::Open({dir, bytes, g_.page_bytes()}, MakeMemoryBackend(4));
     ASSERT_TRUE(disk.ok()) << disk.status().ToString();
     disk_ = std::move(*disk);
     ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
     mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   }
+  // SetUp's mover over a disk tier of `bytes`.
+  void UseSmallDisk(std::size_t bytes) { OpenMover(dir_.string() + "-small", bytes); }
   // Seals `page` with bytes derived from `seed` through SealBegin/SealEnd.
   void SealPage(uint32_t page, uint8_t seed, int64_t step) {
     auto home = mover_->SealBegin(page, /*generation=*/1, step);
