@@ -26,7 +26,8 @@
 #   l3-1m-strict, l3-1m-deadline   Llama-3-8B, 1M tokens (128 GiB of K/V): 16 GiB HBM,
 #            $HOST_1M (80G) pinned host, the rest on disk ($DISK_1M, 56G: the device has ~60 GB free) under $DISK;
 #            recall every $RECALL_1M (8: steps 0 and 8; 0: none) steps at layers $RECALL_LAYERS_1M
-#            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes)
+#            (default 2,11,21,31: a 1M layer's diagnostics take ~20 s, mostly reading its homes);
+#            $STEPS_1M decode steps (default 16; the first steps after prefill find the caches cold)
 #   draft-CTX-N  Llama-3-8B at CTX tokens, speculative decoding: the last token and N drafts
 #            appended (AppendDraft), verified by one DecodeBlock call, drafts accepted with probability 0.7
 #            each; N = 0: one token a step, the baseline the blocks are compared with (e.g.
@@ -169,7 +170,7 @@ for run in $RUNS; do
         l3-1m-all-ad*) hbm="--cold-miss deadline --unread-bound-mass ${run#l3-1m-all-ad}" ;;
         l3-1m-all-dense) hbm="--cold-miss deadline --dense-layers $DENSE" recall="--recall-every 0" ;;
       esac
-      one $run --preset llama3-8b --context 1048576 --steps 16 $recall $hbm \
+      one $run --preset llama3-8b --context 1048576 --steps ${STEPS_1M:-16} $recall $hbm \
         --host-bytes ${HOST_1M:-$((LAYERS * 5 / 2))G} --disk-dir "$DISK" --disk-bytes ${DISK_1M:-$((LAYERS * 7 / 4))G}
       rm -rf "$DISK" ;;
     l3-512k-all | l3-512k-all-rr* | l3-512k-all-ad* | l3-512k-all-dense | l3-512k-deadline | l3-512k-strict | \

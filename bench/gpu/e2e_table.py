@@ -79,6 +79,21 @@ def share(part, whole):
     return "%.1f" % (100 * part / whole) if whole > 0 else "-"
 
 
+def later_skips(r, first=16):
+    """Skipped head-pages of the steps from `first` on, as a share of those steps' selections
+    (all, and the sparse layers'): a step selects the same number of head-pages at every step
+    (a dense layer's page a head more every S steps), so those steps' share of the run's. The
+    first steps after prefill find HBM and host holding what prefill left there."""
+    steps = r.get("per_step", [])
+    n = r["decode_steps"]
+    if n <= first or len(steps) != n:
+        return "-"
+    skipped = sum(s.get("pages_skipped", 0) for s in steps[first:])
+    later = (n - first) / n
+    return "%.3f (%s)" % (100 * skipped / max(1, later * r["head_pages_selected"]),
+                          share(skipped, later * sparse_selected(r)))
+
+
 def sampled_skips(calls):
     """Skipped of selected head-pages at the diagnosed calls, and the mean attended error of those that skipped."""
     selected = sum(c["head_pages_selected"] for c in calls)
@@ -99,7 +114,7 @@ def selection(runs):
     with a skip limit, the calls that waited for their cold misses instead."""
     hdr = ("run", "head-pages %", "recall mass", "out err (selection / attended)", "adaptive pages mean/P95/max",
            "at cap %",
-           "skipped % (of sparse)", "calls waited", "sampled: skipped % (err)")
+           "skipped % (of sparse)", "from step 16", "calls waited", "sampled: skipped % (err)")
     rows = []
     for name, r in runs.items():
         rec, a = r.get("recall", {}), r.get("adaptive", {})
@@ -113,7 +128,8 @@ def selection(runs):
                      "%.1f/%d/%d" % (a["pages"] / ranked, a["pages_p95"], a["pages_max"]) if ranked else "-",
                      "%.1f" % (100 * a["cap_hits"] / ranked) if ranked else "-",
                      "%.3f (%s)" % (100 * skipped / max(1, r["head_pages_selected"]), share(skipped, sparse_selected(r)))
-                     if skipped else "-", r.get("disk_events", {}).get("deadline_waits", 0) or "-",
+                     if skipped else "-", later_skips(r) if skipped else "-",
+                     r.get("disk_events", {}).get("deadline_waits", 0) or "-",
                      sampled_skips(rec.get("calls", []))))
     if not rows:
         return
