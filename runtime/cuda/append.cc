@@ -78,7 +78,7 @@ Status CudaBackendImpl::Append(uint32_t part, PageList& list, const void* k, con
     // fresh ones): all of them free before anything changes.
     const int64_t filled = a.end / g_.page_size - a.old_tokens / g_.page_size;
     const int64_t need = filled * g_.kv_heads;
-    QKV_RETURN_IF_ERROR(Reclaim(need, need, part));
+    QKV_RETURN_IF_ERROR(Reclaim(need, need, /*except=*/0, /*below_need=*/true));
     if (int64_t(free_.size()) < need)
       return Status::ResourceExhausted("hbm: " + std::to_string(filled) + " pages of draft tokens need " +
                                        std::to_string(need) + " head-page slots, " + std::to_string(free_.size()) +

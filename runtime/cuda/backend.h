@@ -445,6 +445,7 @@ class CudaBackendImpl final : public DataPlane {
   Status PlanShared(StepPlan& p);
   void PlanUnion(StepPlan& p);
   Status GrowLists(const StepArgs& s, StepPlan& p);
+  int64_t PinnedSelected(const StepArgs& s, const StepPlan& p, int l) const;
   Status PlanResolveAndAttend(const StepArgs& s, StepPlan& p);
   Status ReserveStepBuffers(const StepArgs& s, StepPlan& p);
   void PackHeader(const StepArgs& s, StepPlan& p);
@@ -500,6 +501,7 @@ class CudaBackendImpl final : public DataPlane {
     DevBuf pages;                    // device mirror of the page list
     int64_t pages_len = 0;
     int64_t last_need = 0;           // slots its last step could select: what it keeps
+    bool stepping = false;           // its step is growing lists: its need is not lent
   };
 
   std::size_t piece() const { return g_.head_page_elems() * DTypeBytes(g_.dtype); }
@@ -550,8 +552,9 @@ class CudaBackendImpl final : public DataPlane {
   Status GrowList(uint32_t part);  // to its last_need, and toward its Target
   Status Shrink(uint32_t part, int64_t k);
   // Frees slots until `want` are free (at least `must`), taking from lists
-  // other than `except`.
-  Status Reclaim(int64_t must, int64_t want, uint32_t except);
+  // other than `except`; `below_need`: then, from lists outside the step
+  // being planned, below their needs, down to nothing if need be.
+  Status Reclaim(int64_t must, int64_t want, uint32_t except, bool below_need = false);
   // An equal share of the pool's slots among live lists, and the slots a
   // list aims to hold with it (see GrowList).
   int64_t Share() const;

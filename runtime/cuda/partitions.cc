@@ -7,7 +7,7 @@ namespace questkv::cuda_backend {
 
 Result<uint32_t> CudaBackendImpl::AddPartition() {
   const int H = g_.kv_heads;
-  QKV_RETURN_IF_ERROR(Reclaim(H, H, 0));
+  QKV_RETURN_IF_ERROR(Reclaim(H, H, 0, /*below_need=*/true));
   if (int64_t(free_.size()) < H)
     return Status::ResourceExhausted("hbm: no free slots for a new tail (" + std::to_string(slots_) + " slots)");
   uint32_t id;
@@ -87,12 +87,25 @@ Status CudaBackendImpl::GrowList(uint32_t part) {
   if (have >= need) return Status::Ok();
   const int64_t add = need - have;
   const int64_t want = std::max(add, Target(P, Share()) - have);
-  QKV_RETURN_IF_ERROR(Reclaim(add, want, part));
-  if (int64_t(free_.size()) < add)
-    return Status::ResourceExhausted("hbm too small: a (sequence, layer) needs " + std::to_string(need) +
-                                     " head-page slots for one step's selection, " + std::to_string(have) +
-                                     " held and " + std::to_string(free_.size()) + " free of " +
-                                     std::to_string(slots_) + " (raise hbm_bytes or lower the budget)");
+  QKV_RETURN_IF_ERROR(Reclaim(add, want, part, /*below_need=*/true));
+  if (int64_t(free_.size()) < add) {
+    // Where the pool is: what could not be taken, and why.
+    int64_t lists = 0, stepping = 0, tails = 0, drafts = 0;
+    for (uint32_t q = 1; q < parts_.size(); ++q) {
+      if (!parts_[q].live) continue;
+      lists += int64_t(parts_[q].owned.size());
+      if (parts_[q].stepping) stepping += int64_t(parts_[q].owned.size());
+      tails += int64_t(parts_[q].tail.size());
+    }
+    for (const auto& [page, h] : held_) drafts += int64_t(h.slots.size());
+    return Status::ResourceExhausted(
+        "hbm too small: a (sequence, layer) needs " + std::to_string(need) +
+        " head-page slots for one step's selection, " + std::to_string(have) + " held and " +
+        std::to_string(free_.size()) + " free of " + std::to_string(slots_) + "; lists hold " + std::to_string(lists) +
+        " (this step's " + std::to_string(stepping) + "), tails " + std::to_string(tails) + ", draft pages " +
+        std::to_string(drafts) + ", staging " + std::to_string(staging_.size()) +
+        " (raise hbm_bytes or lower the budget)");
+  }
   const int64_t take = std::min<int64_t>(int64_t(free_.size()), want);
   std::vector<int32_t> fresh(free_.end() - take, free_.end());
   free_.resize(free_.size() - take);
@@ -131,15 +144,22 @@ Status CudaBackendImpl::ExtendList(uint32_t part, const std::vector<int32_t>& sl
 
 // Until `want` slots are free: lists give back what they hold beyond their
 // targets; then, until `must` are, what they hold beyond their last step's
-// need (pages cached on the side).
-Status CudaBackendImpl::Reclaim(int64_t must, int64_t want, uint32_t except) {
+// need (pages cached on the side); then, where the caller asks, what lists
+// outside the step being planned hold at all: their pages miss at their next
+// step, which takes slots back the same way. Pinned slots (tails, held
+// drafts) and a step's lists that fit would otherwise keep the pool from a
+// list that needs a few.
+Status CudaBackendImpl::Reclaim(int64_t must, int64_t want, uint32_t except, bool below_need) {
   const int64_t share = Share();
-  for (const bool beyond_target : {true, false}) {
-    const int64_t goal = beyond_target ? want : must;
+  enum Keep { kTarget, kNeed, kNothing };
+  for (const Keep keep : {kTarget, kNeed, kNothing}) {
+    if (keep == kNothing && !below_need) break;
+    const int64_t goal = keep == kTarget ? want : must;
     for (uint32_t q = 1; q < parts_.size() && int64_t(free_.size()) < goal; ++q) {
       const Partition& Q = parts_[q];
-      if (q == except || !Q.live) continue;
-      const int64_t surplus = int64_t(Q.owned.size()) - (beyond_target ? Target(Q, share) : Q.last_need);
+      if (q == except || !Q.live || (keep == kNothing && Q.stepping)) continue;
+      const int64_t kept = keep == kTarget ? Target(Q, share) : keep == kNeed ? Q.last_need : 0;
+      const int64_t surplus = int64_t(Q.owned.size()) - kept;
       if (surplus > 0) QKV_RETURN_IF_ERROR(Shrink(q, std::min<int64_t>(surplus, goal - int64_t(free_.size()))));
     }
   }

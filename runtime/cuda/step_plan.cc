@@ -311,27 +311,50 @@ void CudaBackendImpl::PlanUnion(StepPlan& p) {
   p.uentries = p.usel_indptr.back();
 }
 
-// Each list holds at least what its rows may select. (Needs first: a list
-// grown here may lend only beyond its own need.)
-Status CudaBackendImpl::GrowLists(const StepArgs&, StepPlan& p) {
+// Each list holds at least what its rows may select outside pinned slots.
+// (Needs first: a list grown here may lend only beyond its own need.)
+Status CudaBackendImpl::GrowLists(const StepArgs& s, StepPlan& p) {
   const int L = p.L, H = g_.kv_heads;
   const std::vector<int32_t>& sel_indptr = p.block ? p.usel_indptr : p.splan.out_indptr;
   std::vector<int64_t> prev_need(L);
   for (int l = 0; l < L; ++l) {
     prev_need[l] = parts_[p.lists[l]].last_need;
-    parts_[p.lists[l]].last_need = sel_indptr[(l + 1) * H] - sel_indptr[l * H];
+    parts_[p.lists[l]].last_need = sel_indptr[(l + 1) * H] - sel_indptr[l * H] - PinnedSelected(s, p, l);
   }
   p.clock.Mark(kPlan);
-  for (int l = 0; l < L; ++l) {
-    if (Status st = GrowList(p.lists[l]); !st.ok()) {
-      for (int i = 0; i < L; ++i) parts_[p.lists[i]].last_need = prev_need[i];  // as before the call
-      return st;
-    }
+  for (int l = 0; l < L; ++l) parts_[p.lists[l]].stepping = true;
+  Status grown = Status::Ok();
+  for (int l = 0; l < L && grown.ok(); ++l) grown = GrowList(p.lists[l]);
+  for (int l = 0; l < L; ++l) parts_[p.lists[l]].stepping = false;
+  if (!grown.ok()) {
+    for (int l = 0; l < L; ++l) parts_[p.lists[l]].last_need = prev_need[l];  // as before the call
+    return grown;
   }
   p.clock.Mark(kGrow);
   p.part_indptr.assign(L + 1, 0);
   for (int l = 0; l < L; ++l) p.part_indptr[l + 1] = p.part_indptr[l] + int32_t(parts_[p.lists[l]].owned.size());
   return Status::Ok();
+}
+
+// Head-pages of list l's selection that stay in pinned slots, never in the
+// list: the tail and held draft pages, at the end of its longest row. A row
+// always selects its last page (its local window); a dense row every page.
+int64_t CudaBackendImpl::PinnedSelected(const StepArgs& s, const StepPlan& p, int l) const {
+  const uint32_t part = p.lists[l];
+  const Partition& P = parts_[part];
+  const PageList* longest = nullptr;
+  for (int32_t m = p.members_indptr[l]; m < p.members_indptr[l + 1]; ++m)
+    if (p.counts[p.members[m]] == p.list_pages[l]) longest = s.lists[p.members[m]];
+  if (!longest) return 0;
+  const std::vector<PageId>& pages = longest->pages;
+  const std::size_t reach = p.shape.dense ? pages.size() : std::min<std::size_t>(1, pages.size());
+  std::size_t n = 0;
+  for (; n < reach; ++n) {
+    const PageId page = pages[pages.size() - 1 - n];
+    const auto held = held_.find(page);
+    if (page != P.tail_page && (held == held_.end() || held->second.part != part)) break;
+  }
+  return int64_t(n) * g_.kv_heads;
 }
 
 Status CudaBackendImpl::PlanResolveAndAttend(const StepArgs& s, StepPlan& p) {

@@ -379,6 +379,33 @@ TEST(CudaTiers, PrefillResidentListsShareThePoolWithLaterLayers) {
   EXPECT_GE(rt->tier_stats().hbm_evictions, 1);  // the pool was full
 }
 
+// HBM holds the staging slots, the tails and every sealed head-page of three
+// dense layers, not one slot more. A dense row selects its tail too, which
+// stays in its pinned tail slots, never in the list: a list that counted it
+// would take a slot from the next layer's list a step, and that layer would
+// miss and take from the next.
+TEST(CudaTiers, DenseLayersThatFitExactlyNeverMiss) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config all = MakeConfig(Backend::kCuda, c);
+  all.policy.dense_layers = {0, 1, 2};
+  Config exact = all;
+  exact.hbm_bytes = (128 + 6 + 3 * 64 * 2) * std::size_t(2 * 16 * 64 * 2);  // staging + tails + pages
+  QKV_CREATE_CUDA(a, all);
+  QKV_CREATE_CUDA(b, exact);
+  Twins tw({a.get(), b.get()}, all.geometry, c.dtype);
+  const auto seq = tw.NewSeq();
+  tw.Append(seq, 64 * 16 + 5, 256);  // 64 sealed pages and a tail, at every layer
+  for (int step = 0; step < 6; ++step) {
+    tw.Append(seq, 1, 1);  // the tail grows; no page seals
+    for (int l = 0; l < all.geometry.layers; ++l) tw.Decode({seq}, l, 0);
+  }
+  const TierStats s = b->tier_stats();
+  EXPECT_EQ(s.hbm_misses, 0);
+  EXPECT_EQ(s.hbm_evictions, 0);
+  EXPECT_EQ(s.hbm_bypasses, 0);
+  EXPECT_LE(s.hbm_peak_bytes, s.hbm_capacity_bytes);
+}
+
 // Decode steps replayed from captured CUDA graphs give the bits of direct
 // launches, over the scenario's shape changes (page counts, list growth,
 // batches of 5 and 2) and with misses (a small HBM).
