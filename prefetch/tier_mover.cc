@@ -245,6 +245,15 @@ Status TierMover::Pump(int64_t step) {
   QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
   if (!disk_) return Status::Ok();
   QKV_RETURN_IF_ERROR(ReapAll(0));
+  // Missed pages queued behind a full host (`deadline`'s cold misses) take
+  // the room of clean homes a model step old, as a waiting miss does
+  // (MakeHostRoom): their slots free once the device is done with them. A
+  // demotion's write cannot make that room where the disk is full, and at
+  // kPumpWrites a call it makes less than the misses need: a 1M-token CUDA
+  // run with a full disk promoted 36 pages a step while skipping ~5K
+  // head-pages a step, with no clean home dropped.
+  if (!pending_.empty() && host_->used() >= host_->capacity() && DropOldestClean(pending_.size(), step) > 0)
+    QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
   QKV_RETURN_IF_ERROR(StartPending());
   // A quarter of the I/O queue stays free for promotions: a full queue of
   // background writes refused every deadline promotion, step after step,

@@ -296,6 +296,30 @@ TEST_F(TierMoverTest, BackgroundDemotionLeavesQueueRoomForPromotions) {
   CheckHomes();
 }
 
+// Under deadline a missed page's promotion queues behind a full host; the
+// next Pump gives it the room of a clean home (a promoted page, its disk copy
+// kept) not selected for a model step, instead of waiting for writes that a
+// full disk would refuse.
+TEST_F(TierMoverTest, QueuedMissesTakeTheRoomOfCleanHomesAModelStepOld) {
+  DeadlineWithThreeOnDisk(15);  // 0, 1, 2 on disk; 3, 4 on the host
+  if (HasFatalFailure()) return;
+  mover_->NoteSelected(0, 22);
+  ASSERT_TRUE(mover_->EnsureHost(0, 1, 22).ok());  // promoted: host and disk copies
+  for (uint32_t p = 5; p < 10; ++p) SealPage(p, uint8_t(15 * p), 22);
+  ASSERT_EQ(host_->used(), kHostSlots);
+  mover_->NoteSelected(1, 30);
+  ASSERT_TRUE(mover_->Prefetch(1, /*ahead=*/false).ok());
+  ASSERT_EQ(mover_->pending_promotions(), 1u) << "the host was full: the read should wait for room";
+  ASSERT_TRUE(mover_->Pump(30).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 0u) << "the missed page still waits for room";
+  EXPECT_EQ(mover_->stats().clean_drops, 1);
+  EXPECT_EQ(mover_->HostHome(0), nullptr) << "the clean home a model step old stayed";
+  ASSERT_TRUE(mover_->EnsureHost(1, 1, 30).ok());
+  EXPECT_NE(mover_->HostHome(1), nullptr);
+  EXPECT_EQ(mover_->stats().promotions, 2);
+  CheckHomes();
+}
+
 TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
   DeadlineWithThreeOnDisk(9);
   if (HasFatalFailure()) return;
