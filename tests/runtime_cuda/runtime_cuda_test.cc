@@ -414,7 +414,9 @@ TEST(CudaTiers, FilledTailsStayResidentWhileThePoolHasRoom) {
   const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
   Config all = MakeConfig(Backend::kCuda, c);  // every page of max_pages: free slots throughout
   Config small = all;
-  small.hbm_bytes = 400 * 2 * 16 * 64 * 2;  // staging 256, tails 6, lists 138 of the 264 head-pages
+  // Staging 256, tails 6, lists 100 head-pages: a step selects up to 112 (the
+  // dense layer's 42 sealed pages, 7 at each sparse layer, two heads each).
+  small.hbm_bytes = (256 + 6 + 100) * 2 * 16 * 64 * 2;
   QKV_CREATE_CUDA(a, all);
   QKV_CREATE_CUDA(b, small);
   Twins tw({a.get(), b.get()}, all.geometry, c.dtype);
