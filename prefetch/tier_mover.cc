@@ -269,8 +269,11 @@ Status TierMover::Pump(int64_t step) {
   // and a backlog of gigabytes past the high-water mark (a long prefill)
   // made every decode call wait for a queue's worth of them.
   const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
+  // Missed pages waiting for room add their count to the call's writes: each
+  // write that lands makes room for one of them.
+  const int max_new = kPumpWrites + int(std::min<std::size_t>(pending_.size(), std::size_t(max_writes)));
   if (homes_used() > high_water_ * host_->capacity())
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, kPumpWrites));
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, max_new));
   return Status::Ok();
 }
 
