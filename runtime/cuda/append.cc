@@ -232,6 +232,21 @@ Status CudaBackendImpl::AppendToOldTail(uint32_t part, AppendPlan& a) {
     tail_owner_.erase(page);
     P.tail_page = kNoPage;
     P.tail = TakePinnedSlots(nullptr);
+  } else if (t1 % S == 0 && int64_t(free_.size()) >= g_.kv_heads) {
+    // The filled tail stays resident, as a full fresh page does while the
+    // pool has free slots: its slots join the list (unpinned) and the tail
+    // takes fresh ones. Every row's local window selects it at the next
+    // step; handing its slots to the next page made it miss there, a host
+    // read, or under `deadline` a skip while its seal was in flight.
+    const PageId page = P.tail_page;
+    a.resident_at[page] = a.resident.size();
+    for (const int32_t slot : P.tail) {
+      Set(slot_pinned_.as<uint8_t>() + slot, 0, kc::TableOp::kSet8);
+      a.resident.push_back(slot);
+    }
+    tail_owner_.erase(page);
+    P.tail_page = kNoPage;
+    P.tail = TakePinnedSlots(nullptr);
   }
   a.t = t1;
   return Status::Ok();

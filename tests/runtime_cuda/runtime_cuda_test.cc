@@ -406,6 +406,30 @@ TEST(CudaTiers, DenseLayersThatFitExactlyNeverMiss) {
   EXPECT_LE(s.hbm_peak_bytes, s.hbm_capacity_bytes);
 }
 
+// A tail that fills during decode stays resident while the pool has free
+// slots: the local window selects it at the next step, and with every page
+// cached it never misses. Outputs equal a small HBM's (misses read from
+// host homes), bit for bit.
+TEST(CudaTiers, FilledTailsStayResidentWhileThePoolHasRoom) {
+  const Case c{DType::kF16, GqaMode::kMax, 8, 2, 0};
+  Config all = MakeConfig(Backend::kCuda, c);  // every page of max_pages: free slots throughout
+  Config small = all;
+  small.hbm_bytes = 400 * 2 * 16 * 64 * 2;  // staging 256, tails 6, lists 138 of the 264 head-pages
+  QKV_CREATE_CUDA(a, all);
+  QKV_CREATE_CUDA(b, small);
+  Twins tw({a.get(), b.get()}, all.geometry, c.dtype);
+  const auto seq = tw.NewSeq();
+  tw.Append(seq, 40 * 16 + 13, 256);  // the tail fills at the 3rd, 19th and 35th decode tokens
+  for (int step = 0; step < 40; ++step) {
+    tw.Append(seq, 1, 1);
+    for (int l = 0; l < all.geometry.layers; ++l) tw.Decode({seq}, l, 0);
+  }
+  const TierStats s = a->tier_stats();
+  EXPECT_EQ(s.hbm_misses, 0) << "a filled tail lost its slots";
+  EXPECT_EQ(s.hbm_evictions, 0);
+  EXPECT_GT(b->tier_stats().hbm_misses, 0);
+}
+
 // Decode steps replayed from captured CUDA graphs give the bits of direct
 // launches, over the scenario's shape changes (page counts, list growth,
 // batches of 5 and 2) and with misses (a small HBM).
