@@ -372,6 +372,7 @@ TEST_F(TierMoverTest, QueuedMissesTakeOnlyTheRoomTheirReadsCanUse) {
   EXPECT_EQ(mover_->pending_promotions(), 0u);
   for (int i = 6; i < 12; ++i) ASSERT_TRUE(mover_->EnsureHost(on_disk[i], 1, 60).ok());
   CheckHomes();
+}
 
 // Missed pages waiting for host room add their count to a Pump's demotion
 // writes: with four queued behind a full host, one Pump writes eight (down
