@@ -46,7 +46,6 @@ void TierMover::SetHostValid(uint32_t page, bool valid) {
 void TierMover::NoteClean(uint32_t page) {
   Home& h = homes_[page];
   h.clean_since = now_;
-  h.clean = true;
   // A host's worth of entries at most: an older one is stale by then, or its
   // page is left to the demotion order.
   if (clean_.size() >= host_->capacity()) clean_.pop_front();
@@ -59,7 +58,6 @@ void TierMover::DropClean(uint32_t page) {
   ReleaseHome(h.host_slot);
   h.host_slot = kNoSlot;
   h.clean_since = -1;
-  h.clean = false;
   ++stats_.clean_drops;
 }
 
@@ -431,20 +429,20 @@ std::size_t TierMover::DropOldestClean(std::size_t n, int64_t step) {
 }
 
 std::size_t TierMover::ReleaseHotDiskCopies(std::size_t n) {
-  // A home holds both copies only once NoteClean has marked it (a promotion
-  // or a write read in place since): the mark keeps the disk tier's map
-  // lookup, which cost ~5.8 ms a scan at a million homes, to those homes.
+  // A home holds both copies only once NoteClean has set its clean_since (a
+  // promotion or a write read in place since; steps are never negative):
+  // that keeps the disk tier's map lookup, which cost ~5.8 ms a scan at a
+  // million homes, to those homes.
   std::vector<uint32_t> both;
   for (uint32_t p = 0; p < homes_.size(); ++p) {
     const Home& h = homes_[p];
-    if (h.clean && h.host_valid && h.io == Io::kIdle && disk_->Holds(p, h.generation)) both.push_back(p);
+    if (h.clean_since >= 0 && h.host_valid && h.io == Io::kIdle && disk_->Holds(p, h.generation)) both.push_back(p);
   }
   n = std::min(n, both.size());
   std::partial_sort(both.begin(), both.begin() + n, both.end(), [&](uint32_t a, uint32_t b) { return Colder(b, a); });
   for (std::size_t i = 0; i < n; ++i) {
     disk_->Drop(both[i]);
     homes_[both[i]].clean_since = -1;
-    homes_[both[i]].clean = false;
   }
   return n;
 }

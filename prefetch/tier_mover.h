@@ -177,7 +177,6 @@ class TierMover {
     uint64_t checksum = 0;    // PageChecksum at seal time
     bool pending = false;     // in pending_, waiting for its promotion to start
     uint8_t read_failures = 0; // failed promotion reads in a row
-    bool clean = false;       // marked by NoteClean: may hold both copies (ReleaseHotDiskCopies' filter)
     int64_t clean_since = -1;  // step its clean host copy landed (an entry in clean_)
     Status error;             // last failed read, surfaced to strict waiters
   };
