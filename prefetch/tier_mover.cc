@@ -251,9 +251,15 @@ Status TierMover::Pump(int64_t step) {
   // demotion's write cannot make that room where the disk is full, and at
   // kPumpWrites a call it makes less than the misses need: a 1M-token CUDA
   // run with a full disk promoted 36 pages a step while skipping ~5K
-  // head-pages a step, with no clean home dropped.
-  if (!pending_.empty() && host_->used() >= host_->capacity() && DropOldestClean(pending_.size(), step) > 0)
-    QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
+  // head-pages a step, with no clean home dropped. As many leave as reads
+  // can start, less the slots already on their way back (retired): dropping
+  // for the whole queue dropped ~830 homes a step for ~133 promotions.
+  if (!pending_.empty() && host_->used() >= host_->capacity()) {
+    const std::size_t reads = std::size_t(std::max(0, disk_->queue_depth() - disk_->in_flight()));
+    const std::size_t room = std::min(pending_.size(), reads);
+    if (room > retired_.size() && DropOldestClean(room - retired_.size(), step) > 0)
+      QKV_RETURN_IF_ERROR(Recycle(/*wait=*/false));
+  }
   QKV_RETURN_IF_ERROR(StartPending());
   // A quarter of the I/O queue stays free for promotions: a full queue of
   // background writes refused every deadline promotion, step after step,
@@ -263,8 +269,11 @@ Status TierMover::Pump(int64_t step) {
   // and a backlog of gigabytes past the high-water mark (a long prefill)
   // made every decode call wait for a queue's worth of them.
   const int max_writes = writes_failing() ? 1 : disk_->queue_depth() - std::max(1, disk_->queue_depth() / 4);
+  // Missed pages waiting for room add their count to the call's writes: each
+  // write that lands makes room for one of them.
+  const int max_new = kPumpWrites + int(std::min<std::size_t>(pending_.size(), std::size_t(max_writes)));
   if (homes_used() > high_water_ * host_->capacity())
-    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, kPumpWrites));
+    QKV_RETURN_IF_ERROR(Demote(std::size_t(low_water_ * host_->capacity()), step, max_writes, max_new));
   return Status::Ok();
 }
 

@@ -320,6 +320,97 @@ TEST_F(TierMoverTest, QueuedMissesTakeTheRoomOfCleanHomesAModelStepOld) {
   CheckHomes();
 }
 
+// The room goes only to reads that can start, less the slots already on
+// their way back: with six missed pages queued and an I/O queue of four, four
+// clean homes leave, and none more while the device still reads theirs.
+TEST_F(TierMoverTest, QueuedMissesTakeOnlyTheRoomTheirReadsCanUse) {
+  mover_ = std::make_unique<TierMover>(g_, 0.5, 0.25, kPages, host_.get(), disk_.get());
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  uint64_t queued = 0, done = 0;
+  mover_->SetDeviceReads({[&] { return queued; }, [&](bool wait) -> Result<uint64_t> {
+                            if (wait) done = queued;
+                            return done;
+                          }});
+  auto settle = [&](int64_t step) {  // demotions down to the low-water mark, their writes done
+    for (int i = 0; i < 20 && (host_->used() > 2 || disk_->in_flight() > 0); ++i) ASSERT_TRUE(mover_->Pump(step).ok());
+    ASSERT_EQ(host_->used(), 2u);
+  };
+  for (uint32_t p = 0; p < 8; ++p) SealPage(p, uint8_t(5 * p), 1);
+  ASSERT_NO_FATAL_FAILURE(settle(2));
+  for (uint32_t p = 8; p < 14; ++p) SealPage(p, uint8_t(5 * p), 3);
+  ASSERT_NO_FATAL_FAILURE(settle(4));
+  std::vector<uint32_t> on_disk;
+  for (uint32_t p = 0; p < 14; ++p)
+    if (!mover_->HostHome(p)) on_disk.push_back(p);
+  ASSERT_EQ(on_disk.size(), 12u);
+  for (int i = 0; i < 6; ++i) {  // six promoted: clean homes, selected at step 10
+    mover_->NoteSelected(on_disk[i], 10);
+    ASSERT_TRUE(mover_->EnsureHost(on_disk[i], 1, 10).ok());
+  }
+  ASSERT_EQ(host_->used(), kHostSlots);
+  for (int i = 6; i < 12; ++i) {
+    mover_->NoteSelected(on_disk[i], 20);
+    ASSERT_TRUE(mover_->Prefetch(on_disk[i], /*ahead=*/false).ok());
+  }
+  ASSERT_EQ(mover_->pending_promotions(), 6u);
+  ASSERT_EQ(disk_->in_flight(), 0);
+  const std::size_t depth = std::size_t(disk_->queue_depth());
+  queued = 1;  // a call that may read every readable home, not yet done
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  EXPECT_EQ(std::size_t(mover_->stats().clean_drops), depth) << "dropped more homes than reads could start";
+  EXPECT_EQ(mover_->retired_slots(), depth);
+  ASSERT_TRUE(mover_->Pump(21).ok());
+  EXPECT_EQ(std::size_t(mover_->stats().clean_drops), depth) << "dropped again for room already on its way";
+  EXPECT_EQ(mover_->pending_promotions(), 6u);
+  done = 1;  // the call is done: the room comes back and the reads start
+  ASSERT_TRUE(mover_->Pump(22).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 6u - depth);
+  for (int step = 23; step < 60 && mover_->pending_promotions() > 0; ++step) {
+    done = queued;
+    ASSERT_TRUE(mover_->Pump(step).ok());
+  }
+  EXPECT_EQ(mover_->pending_promotions(), 0u);
+  for (int i = 6; i < 12; ++i) ASSERT_TRUE(mover_->EnsureHost(on_disk[i], 1, 60).ok());
+  CheckHomes();
+}
+
+// Missed pages waiting for host room add their count to a Pump's demotion
+// writes: with four queued behind a full host, one Pump writes eight (down
+// to the low-water mark), not kPumpWrites (four).
+TEST_F(TierMoverTest, QueuedMissesRaiseAPumpsWrites) {
+  mover_.reset();
+  disk_.reset();
+  auto disk = DiskTier::Open({dir_.string() + "-deep", 1 << 20, g_.page_bytes()}, MakeMemoryBackend(16));
+  ASSERT_TRUE(disk.ok()) << disk.status().ToString();
+  disk_ = std::move(*disk);
+  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
+  mover_ = std::make_unique<TierMover>(g_, 0.5, 0.0, kPages, host_.get(), disk_.get());  // low water: empty
+  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  for (uint32_t p = 0; p < 8; ++p) SealPage(p, uint8_t(9 * p), 1);
+  for (int i = 0; i < 20 && (host_->used() > 4 || disk_->in_flight() > 0); ++i) ASSERT_TRUE(mover_->Pump(2).ok());
+  ASSERT_EQ(host_->used(), 4u);  // at the high-water mark
+  std::vector<uint32_t> on_disk;
+  for (uint32_t p = 0; p < 8; ++p)
+    if (!mover_->HostHome(p)) on_disk.push_back(p);
+  ASSERT_EQ(on_disk.size(), 4u);
+  for (uint32_t p = 8; p < 12; ++p) SealPage(p, uint8_t(9 * p), 3);  // the host full of pages never written
+  for (uint32_t p : on_disk) {
+    mover_->NoteSelected(p, 5);
+    ASSERT_TRUE(mover_->Prefetch(p, /*ahead=*/false).ok());
+  }
+  ASSERT_EQ(mover_->pending_promotions(), 4u);
+  ASSERT_EQ(disk_->in_flight(), 0);
+  ASSERT_TRUE(mover_->Pump(5).ok());
+  EXPECT_EQ(disk_->in_flight(), 8) << "a Pump's writes ignored the misses waiting for room";
+  for (int step = 6; step < 30 && mover_->pending_promotions() > 0; ++step) ASSERT_TRUE(mover_->Pump(step).ok());
+  EXPECT_EQ(mover_->pending_promotions(), 0u);
+  for (uint32_t p : on_disk) ASSERT_TRUE(mover_->EnsureHost(p, 1, 30).ok());
+  CheckHomes();
+  mover_.reset();
+  disk_.reset();
+  std::filesystem::remove_all(dir_.string() + "-deep");
+}
+
 TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
   DeadlineWithThreeOnDisk(9);
   if (HasFatalFailure()) return;
