@@ -21,7 +21,9 @@
 //               a missed page whose read cannot start yet (no free host
 //               slot, a full I/O queue) waits in a queue that Pump (and a
 //               strict wait that made room) serves, oldest first, before
-//               background demotions take the queue
+//               background demotions take the queue; each waiting miss
+//               adds a write to a Pump's demotions and may take the room of
+//               a clean home (as many as reads can start)
 //
 // I/O errors are bounded and surfaced, never retried forever. A page whose
 // demotion write fails keeps its host home (nothing is lost) and may be tried
