@@ -226,23 +226,22 @@ Status CudaBackendImpl::AppendToOldTail(uint32_t part, AppendPlan& a) {
   QKV_RETURN_IF_ERROR(AppendRows(a, a.t, t1, &kd, &vd));
   QKV_RETURN_IF_ERROR(LaunchAppendRange(P, a.t, t1, kd, vd));
   QKV_RETURN_IF_ERROR(SealThrough(P, a, t1 / S - 1, 0));
-  if (a.hold && t1 % S == 0) {  // the filled tail keeps its slots, held; the tail takes fresh ones
+  // A filled tail keeps its slots while the pool has slots for a fresh tail
+  // (a draft's room is checked by Append): held, for a draft, or joining the
+  // list unpinned, as a full fresh page does. Every row's local window
+  // selects it at the next step; handing its slots to the next page made it
+  // miss there, a host read, or under `deadline` a skip while its seal was in
+  // flight.
+  if (t1 % S == 0 && (a.hold || int64_t(free_.size()) >= g_.kv_heads)) {
     const PageId page = P.tail_page;
-    held_[page] = {part, std::move(P.tail)};
-    tail_owner_.erase(page);
-    P.tail_page = kNoPage;
-    P.tail = TakePinnedSlots(nullptr);
-  } else if (t1 % S == 0 && int64_t(free_.size()) >= g_.kv_heads) {
-    // The filled tail stays resident, as a full fresh page does while the
-    // pool has free slots: its slots join the list (unpinned) and the tail
-    // takes fresh ones. Every row's local window selects it at the next
-    // step; handing its slots to the next page made it miss there, a host
-    // read, or under `deadline` a skip while its seal was in flight.
-    const PageId page = P.tail_page;
-    a.resident_at[page] = a.resident.size();
-    for (const int32_t slot : P.tail) {
-      Set(slot_pinned_.as<uint8_t>() + slot, 0, kc::TableOp::kSet8);
-      a.resident.push_back(slot);
+    if (a.hold) {
+      held_[page] = {part, std::move(P.tail)};
+    } else {
+      a.resident_at[page] = a.resident.size();
+      for (const int32_t slot : P.tail) {
+        Set(slot_pinned_.as<uint8_t>() + slot, 0, kc::TableOp::kSet8);
+        a.resident.push_back(slot);
+      }
     }
     tail_owner_.erase(page);
     P.tail_page = kNoPage;
