@@ -33,17 +33,18 @@ class TierMoverTest : public ::testing::Test {
     disk_.reset();
     std::filesystem::remove_all(dir_);
     std::filesystem::remove_all(dir_.string() + "-small");
+    std::filesystem::remove_all(dir_.string() + "-deep");
   }
-  // A fresh mover (high water 6, low water 4 of the 8 host slots) over a
-  // disk tier of `bytes` in `dir`.
-  void OpenMover(const std::string& dir, std::size_t bytes) {
+  // A fresh mover (by default high water 6, low water 4 of the 8 host
+  // slots) over a disk tier of `bytes` in `dir` whose queue holds `depth` I/Os.
+  void OpenMover(const std::string& dir, std::size_t bytes, int depth = 4, double high = 0.75, double low = 0.5) {
     mover_.reset();
     disk_.reset();
-    auto disk = DiskTier::Open({dir, bytes, g_.page_bytes()}, MakeMemoryBackend(4));
+    auto disk = DiskTier::Open({dir, bytes, g_.page_bytes()}, MakeMemoryBackend(depth));
     ASSERT_TRUE(disk.ok()) << disk.status().ToString();
     disk_ = std::move(*disk);
     ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-    mover_ = std::make_unique<TierMover>(g_, 0.75, 0.5, kPages, host_.get(), disk_.get());
+    mover_ = std::make_unique<TierMover>(g_, high, low, kPages, host_.get(), disk_.get());
     mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
   }
   // SetUp's mover over a disk tier of `bytes`.
@@ -378,14 +379,8 @@ TEST_F(TierMoverTest, QueuedMissesTakeOnlyTheRoomTheirReadsCanUse) {
 // writes: with four queued behind a full host, one Pump writes eight (down
 // to the low-water mark), not kPumpWrites (four).
 TEST_F(TierMoverTest, QueuedMissesRaiseAPumpsWrites) {
-  mover_.reset();
-  disk_.reset();
-  auto disk = DiskTier::Open({dir_.string() + "-deep", 1 << 20, g_.page_bytes()}, MakeMemoryBackend(16));
-  ASSERT_TRUE(disk.ok()) << disk.status().ToString();
-  disk_ = std::move(*disk);
-  ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
-  mover_ = std::make_unique<TierMover>(g_, 0.5, 0.0, kPages, host_.get(), disk_.get());  // low water: empty
-  mover_->SetHomeListener([this](uint32_t page, const void* home) { published_[page] = home; });
+  OpenMover(dir_.string() + "-deep", 1 << 20, /*depth=*/16, /*high=*/0.5, /*low=*/0.0);  // low water: empty
+  if (HasFatalFailure()) return;
   for (uint32_t p = 0; p < 8; ++p) SealPage(p, uint8_t(9 * p), 1);
   for (int i = 0; i < 20 && (host_->used() > 4 || disk_->in_flight() > 0); ++i) ASSERT_TRUE(mover_->Pump(2).ok());
   ASSERT_EQ(host_->used(), 4u);  // at the high-water mark
@@ -406,9 +401,6 @@ TEST_F(TierMoverTest, QueuedMissesRaiseAPumpsWrites) {
   EXPECT_EQ(mover_->pending_promotions(), 0u);
   for (uint32_t p : on_disk) ASSERT_TRUE(mover_->EnsureHost(p, 1, 30).ok());
   CheckHomes();
-  mover_.reset();
-  disk_.reset();
-  std::filesystem::remove_all(dir_.string() + "-deep");
 }
 
 TEST_F(TierMoverTest, MissedPagesThatFindTheQueueFullStartAtTheNextPump) {
