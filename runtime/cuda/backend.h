@@ -154,17 +154,21 @@ inline Status NoSlotFault(uint64_t n) {
 
 // Host-side time of DecodeStep's and Append's phases, summed; printed to
 // stderr when the backend goes when Config::cuda_profile_host is set (to see
-// what the host adds to a step).
-enum HostPhase { kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReadback, kHostPhases };
-constexpr const char* kHostPhaseNames[kHostPhases] = {"plan",   "grow lists",  "buffers",  "table flush",
-                                                      "launch", "device wait", "readback"};
+// what the host adds to a step). A decode call's first phase is the mover's
+// pump, between BeginStep and the step; an enqueued call's "report wait" is
+// its wait for an older call's report, which paces the host to the device.
+enum HostPhase {
+  kPump, kPlan, kGrow, kBuffers, kFlush, kLaunch, kDeviceWait, kReportWait, kReadback, kHostPhases
+};
+constexpr const char* kHostPhaseNames[kHostPhases] = {"pump",   "plan",        "grow lists",  "buffers", "table flush",
+                                                      "launch", "device wait", "report wait", "readback"};
 // Append: ids, homes and draft room; the page mirror; the old tail; fresh
 // pages; the list, the seals' wait and SealEnd.
 enum AppendPhase { kAppendReserve, kAppendMirror, kAppendTail, kAppendFresh, kAppendFinish, kAppendPhases };
 constexpr const char* kAppendPhaseNames[kAppendPhases] = {"reserve", "page mirror", "old tail", "fresh pages",
                                                           "list and seals"};
 struct HostProfile {
-  static constexpr int kMaxPhases = 8;
+  static constexpr int kMaxPhases = 10;
   HostProfile(const char* const* names, int phases) : names(names), phases(phases) {}
   const char* const* names;
   int phases;
@@ -238,7 +242,10 @@ struct StreamProfile {
 
 class HostClock {
  public:
-  explicit HostClock(HostProfile& p) : p_(p), last_(std::chrono::steady_clock::now()) { ++p_.calls; }
+  using Time = std::chrono::steady_clock::time_point;
+  explicit HostClock(HostProfile& p, Time since = std::chrono::steady_clock::now()) : p_(p), last_(since) {
+    ++p_.calls;
+  }
   void Mark(int phase) {
     const auto now = std::chrono::steady_clock::now();
     const double us = std::chrono::duration<double, std::micro>(now - last_).count();
@@ -325,7 +332,10 @@ class CudaBackendImpl final : public DataPlane {
   Status SetPages(uint32_t part, std::span<const PageId> pages) override;
   Status Append(uint32_t part, PageList& list, const void* k, const void* v, int64_t n, bool host_f32,
                 int64_t step, bool hold) override;
-  void BeginStep(int64_t step) override { step_ = step; }
+  void BeginStep(int64_t step) override {
+    step_ = step;
+    step_begun_ = std::chrono::steady_clock::now();
+  }
   Status SealHeld(PageId page) override;
   Status CopyTail(uint32_t src_part, PageId src, uint32_t dst_part, PageId dst, int len, int64_t) override;
   Status TailFromHost(uint32_t part, PageId dst, const void* page, int len, int64_t) override;
@@ -376,7 +386,7 @@ class CudaBackendImpl final : public DataPlane {
     std::size_t out = 0, totals = 0, adaptive = 0, sel_pages = 0, sel_count = 0, bytes = 0;
   };
   struct StepPlan {
-    explicit StepPlan(HostProfile& prof) : clock(prof) {}
+    StepPlan(HostProfile& prof, HostClock::Time since) : clock(prof, since) {}
     HostClock clock;
     int B = 0, rows = 0, max_row = 0;
     std::size_t qelems = 0;
@@ -482,7 +492,7 @@ class CudaBackendImpl final : public DataPlane {
   Status QueueReport(const StepArgs& s, const StepPlan& p);
   // Applies pending reports, oldest first, waiting for each, until the
   // newest `keep` are left. *selected: the head-pages the newest selected.
-  Status TakeReports(int keep, int64_t* selected = nullptr);
+  Status TakeReports(int keep, int64_t* selected = nullptr, HostClock* clock = nullptr);
   Status ApplyReport(Report& r, int64_t* selected);
   // Tickets of the calls that may still read host homes (see the top).
   uint64_t ReadsQueued() const { return reads_done_ < reads_queued_ ? reads_queued_ : 0; }
@@ -789,6 +799,7 @@ class CudaBackendImpl final : public DataPlane {
   };
   std::unordered_map<PageId, Held> held_;
   int64_t step_ = 0;  // the current decode call's (BeginStep)
+  HostClock::Time step_begun_{};  // and when it began (the pump's start)
   int64_t use_marks_ = 0;  // the resolve's use marks handed out (PackHeader)
   std::vector<kc::TableUpdate> clears_, sets_;
   std::unordered_map<const void*, std::size_t> set_index_;

@@ -93,7 +93,10 @@ Status CudaBackendImpl::DecodeRows(const Step& st, const std::vector<int>& rows)
 
 Status CudaBackendImpl::RunStep(const StepArgs& s) {
   if (!async_error_.ok()) return std::exchange(async_error_, Status::Ok());
-  StepPlan p(prof_);
+  // A call split in rows (DecodeRows) counts its pump once.
+  const HostClock::Time begun = std::exchange(step_begun_, HostClock::Time{});
+  StepPlan p(prof_, begun == HostClock::Time{} ? std::chrono::steady_clock::now() : begun);
+  p.clock.Mark(kPump);
   QKV_RETURN_IF_ERROR(PlanStep(s, p));
   QKV_RETURN_IF_ERROR(GrowLists(s, p));
   QKV_RETURN_IF_ERROR(PlanResolveAndAttend(s, p));
@@ -123,7 +126,7 @@ Status CudaBackendImpl::RunStep(const StepArgs& s) {
     p.clock.Mark(kLaunch);
     // The reports of all but the newest kReportsInFlight - 1 calls; the
     // device runs those meanwhile.
-    QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/kReportsInFlight - 1));
+    QKV_RETURN_IF_ERROR(TakeReports(/*keep=*/kReportsInFlight - 1, nullptr, &p.clock));
     QKV_RETURN_IF_ERROR(EndSeals(/*wait=*/false));
     p.clock.Mark(kReadback);
     return Status::Ok();

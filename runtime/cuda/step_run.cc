@@ -463,7 +463,7 @@ bool CudaBackendImpl::ReportNotes(int layer, int64_t step) {
   return true;
 }
 
-Status CudaBackendImpl::TakeReports(int keep, int64_t* selected) {
+Status CudaBackendImpl::TakeReports(int keep, int64_t* selected, HostClock* clock) {
   for (;;) {
     Report* oldest = nullptr;
     int pending = 0;
@@ -473,7 +473,9 @@ Status CudaBackendImpl::TakeReports(int keep, int64_t* selected) {
       if (!oldest || x.seq < oldest->seq) oldest = &x;
     }
     if (pending <= keep) return Status::Ok();
+    if (clock) clock->Mark(kReadback);
     QKV_CUDA(cudaEventSynchronize(oldest->done));
+    if (clock) clock->Mark(kReportWait);
     QKV_RETURN_IF_ERROR(ApplyReport(*oldest, pending == 1 ? selected : nullptr));
   }
 }
