@@ -159,6 +159,7 @@ std::string_view IoBackendKindName(IoBackendKind k) {
     case IoBackendKind::kAuto: return "auto";
     case IoBackendKind::kUring: return "uring";
     case IoBackendKind::kPread: return "pread";
+    case IoBackendKind::kUringSqpoll: return "uring-sqpoll";
   }
   return "?";
 }
@@ -167,7 +168,8 @@ Result<IoBackendKind> ParseIoBackendKind(std::string_view s) {
   if (s == "auto") return IoBackendKind::kAuto;
   if (s == "uring") return IoBackendKind::kUring;
   if (s == "pread") return IoBackendKind::kPread;
-  return Status::InvalidArgument("unknown I/O backend '" + std::string(s) + "' (auto, uring, pread)");
+  if (s == "uring-sqpoll") return IoBackendKind::kUringSqpoll;
+  return Status::InvalidArgument("unknown I/O backend '" + std::string(s) + "' (auto, uring, uring-sqpoll, pread)");
 }
 
 std::string_view BackendName(Backend b) { return b == Backend::kCuda ? "cuda" : "cpu"; }

@@ -293,6 +293,7 @@ namespace {
 Result<std::unique_ptr<IoBackend>> MakeIoBackend(const Config& c) {
   switch (c.io_backend) {
     case IoBackendKind::kUring: return MakeUringBackend(c.io_queue_depth);
+    case IoBackendKind::kUringSqpoll: return MakeUringBackend(c.io_queue_depth, /*sq_thread=*/true);
     case IoBackendKind::kPread: return MakePreadPoolBackend(4, c.io_queue_depth);
     case IoBackendKind::kAuto: break;
   }

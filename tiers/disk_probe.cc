@@ -49,10 +49,15 @@ Result<AlignedBytes> AllocateAligned(std::size_t bytes, uint64_t seed) {
 struct Throughput {
   int64_t bytes = 0;
   double seconds = 0;
+  int64_t submits = 0;          // requests the owner submitted
+  double submit_seconds = 0;    // the owner's time inside those submit calls
   double gbps() const { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0; }
+  double submit_us() const { return submits > 0 ? submit_seconds / double(submits) * 1e6 : 0; }
   void Add(const Throughput& t) {
     bytes += t.bytes;
     seconds += t.seconds;
+    submits += t.submits;
+    submit_seconds += t.submit_seconds;
   }
 };
 
@@ -224,7 +229,10 @@ Result<Throughput> Pump(FilledTier* t, int64_t count, Clock::time_point deadline
   for (int64_t issued = 0;;) {
     for (const bool open = Clock::now() < deadline; open && issued < count && !t->pool.empty(); ++issued) {
       const int b = t->pool.Take();
+      const Clock::time_point submit_start = Clock::now();
       Result<uint64_t> ticket = submit(t->pool.at(b), issued);
+      result.submit_seconds += SecondsSince(submit_start);
+      ++result.submits;
       if (!ticket.ok()) t->pool.Give(b);
       QKV_RETURN_IF_ERROR(ticket.status());
       buffer_of[*ticket] = b;
@@ -288,15 +296,25 @@ Result<DiskProbeResult> Probe(const std::string& dir, uint64_t file_bytes, std::
   QKV_ASSIGN_OR_RETURN(auto uring, FillTier(dir, file_bytes, block_bytes, MakeUringBackend(queue_depth), &uring_write));
   QKV_ASSIGN_OR_RETURN(auto pread, FillTier(dir, file_bytes, block_bytes,
                                             MakePreadPoolBackend(queue_depth, queue_depth), &pread_write));
+  // The io_uring tier with a kernel submission thread, where the kernel
+  // allows one (its absence leaves its figures at 0).
+  Throughput sqpoll_write, sqpoll_read;
+  Result<std::unique_ptr<FilledTier>> sqpoll =
+      FillTier(dir, file_bytes, block_bytes, MakeUringBackend(queue_depth, /*sq_thread=*/true), &sqpoll_write);
+  if (!sqpoll.ok() && sqpoll.status().code() != Code::kUnimplemented) return sqpoll.status();
   Throughput raw_read, raw_touched, uring_read, pread_read;
   // One generator per path, same seed: all read the same block sequence.
-  SeededRng raw_rng(7), touched_rng(7), uring_rng(7), pread_rng(7);
+  SeededRng raw_rng(7), touched_rng(7), uring_rng(7), pread_rng(7), sqpoll_rng(7);
   const int rounds = std::max(1, int(seconds / kRoundSeconds + 0.5));
   for (int round = 0; round < rounds; ++round) {
     QKV_ASSIGN_OR_RETURN(const Throughput r, raw->Run(seconds / rounds, /*touch=*/false, &raw_rng));
     QKV_ASSIGN_OR_RETURN(const Throughput u, ReadTier(uring.get(), seconds / rounds, &uring_rng));
     QKV_ASSIGN_OR_RETURN(const Throughput p, ReadTier(pread.get(), seconds / rounds, &pread_rng));
     QKV_ASSIGN_OR_RETURN(const Throughput c, raw->Run(seconds / rounds, /*touch=*/true, &touched_rng));
+    if (sqpoll.ok()) {
+      QKV_ASSIGN_OR_RETURN(const Throughput s, ReadTier(sqpoll->get(), seconds / rounds, &sqpoll_rng));
+      sqpoll_read.Add(s);
+    }
     raw_read.Add(r);
     uring_read.Add(u);
     pread_read.Add(p);
@@ -313,6 +331,15 @@ Result<DiskProbeResult> Probe(const std::string& dir, uint64_t file_bytes, std::
   result.tier_write_gbps = uring_write.gbps();
   result.direct = raw->direct();
   result.uring_backend = uring->backend;
+  result.tier_uring_read_submit_us = uring_read.submit_us();
+  result.tier_write_submit_us = uring_write.submit_us();
+  if (sqpoll.ok()) {
+    result.tier_sqpoll_gbps = sqpoll_read.gbps();
+    result.tier_sqpoll_read_submit_us = sqpoll_read.submit_us();
+    result.tier_sqpoll_write_gbps = sqpoll_write.gbps();
+    result.tier_sqpoll_write_submit_us = sqpoll_write.submit_us();
+    result.sqpoll_backend = (*sqpoll)->backend;
+  }
   return result;
 }
 

@@ -10,12 +10,18 @@
 //                      it lands — the least any consumer of the bytes does;
 //   tier_uring         DiskTier::SubmitRead + Reap with checksum verification
 //                      over the io_uring backend (the promotion path);
-//   tier_pread         the same over the pread pool (the fallback).
+//   tier_pread         the same over the pread pool (the fallback);
+//   tier_sqpoll        the io_uring tier with a kernel submission thread
+//                      (IoBackendKind::kUringSqpoll), where the kernel allows
+//                      one.
+// Beside each io_uring tier's rates: the owner's time per submit call (the
+// checksum re-check of a write included), the time a decode thread spends
+// per promotion or demotion it starts.
 // On an emulated disk (a VM's virtio-blk) reading the landed bytes can itself
 // slow the device down; raw_uring_touched shows how much of the gap between
 // raw_uring and tier_uring that is.
 // Every file it makes is unlinked as soon as it is open, so nothing is left in
-// `dir`, even after a crash. Needs about 3 * file_bytes of free disk.
+// `dir`, even after a crash. Needs about 4 * file_bytes of free disk.
 // Thread-compatible; takes a few seconds plus 4 * seconds.
 #pragma once
 
@@ -38,6 +44,13 @@ struct DiskProbeResult {
   double tier_write_gbps = 0;  // filling the io_uring tier: the demotion path
   bool direct = false;         // the filesystem honoured O_DIRECT (else the page cache was measured)
   std::string uring_backend;   // IoBackend::name() of the io_uring tier
+  double tier_uring_read_submit_us = 0;  // the owner's µs per SubmitRead / SubmitWrite
+  double tier_write_submit_us = 0;
+  double tier_sqpoll_gbps = 0;           // 0 (and sqpoll_backend empty) without a submission thread
+  double tier_sqpoll_read_submit_us = 0;
+  double tier_sqpoll_write_gbps = 0;
+  double tier_sqpoll_write_submit_us = 0;
+  std::string sqpoll_backend;
 };
 
 // IOError when the disk fails, Unimplemented when io_uring is unavailable,

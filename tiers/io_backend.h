@@ -66,8 +66,11 @@ class IoBackend {
 };
 
 // io_uring with O_DIRECT, registered buffers and fixed files. Unimplemented
-// where io_uring cannot be set up (old kernel, seccomp sandbox).
-Result<std::unique_ptr<IoBackend>> MakeUringBackend(int queue_depth);
+// where io_uring cannot be set up (old kernel, seccomp sandbox). With
+// sq_thread, a kernel thread submits the entries (IORING_SETUP_SQPOLL): a
+// request costs the owner a ring write instead of a system call, and the
+// thread spins on a core while requests keep coming.
+Result<std::unique_ptr<IoBackend>> MakeUringBackend(int queue_depth, bool sq_thread = false);
 // A thread pool doing pread/pwrite (O_DIRECT where the filesystem allows).
 Result<std::unique_ptr<IoBackend>> MakePreadPoolBackend(int threads, int queue_depth);
 // io_uring when it works here, else the pread pool.

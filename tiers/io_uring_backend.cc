@@ -6,7 +6,13 @@
 // Submit hands the request to the kernel at once, so I/O starts while the
 // owner does other work (the pread pool behaves the same); batching entries
 // until Reap measured no faster here. An entry the kernel could not take for
-// the moment (EAGAIN) stays queued and goes with the next Reap. in_flight()
+// the moment (EAGAIN) stays queued and goes with the next Reap.
+//
+// With a submission thread (IORING_SETUP_SQPOLL) the kernel's own thread
+// takes entries off the ring, so Submit and Reap(0) enter the kernel only to
+// wake it after kSqIdleMs without work: the owner (the decode thread) no
+// longer pays the block layer's submission path per request, at the price of
+// that thread spinning on a core while requests keep coming. in_flight()
 // counts requests from Submit to their reaped completion and never exceeds
 // queue_depth(), which the ring is sized for, so neither the submission nor
 // the completion ring can overflow.
@@ -24,19 +30,34 @@ namespace questkv {
 namespace {
 
 constexpr int kMaxQueueDepth = 4096;
+// How long the submission thread spins without new entries before it sleeps.
+constexpr unsigned kSqIdleMs = 20;
 // The kernel refuses a registered buffer larger than 1 GiB.
 constexpr std::size_t kIovecMaxBytes = std::size_t(1) << 30;
 
 class UringBackend final : public IoBackend {
  public:
-  explicit UringBackend(int queue_depth) : queue_depth_(queue_depth) {}
+  UringBackend(int queue_depth, bool sq_thread)
+      : queue_depth_(queue_depth), sq_thread_(sq_thread), name_(sq_thread ? "io_uring (sq thread)" : "io_uring") {}
 
   Status Init() {
     // SUBMIT_ALL: a bad entry does not stall the ones behind it. COOP_TASKRUN:
-    // completions are run when we enter the kernel anyway, not by interrupt.
-    int rc = io_uring_queue_init(queue_depth_, &ring_, IORING_SETUP_SUBMIT_ALL | IORING_SETUP_COOP_TASKRUN);
-    if (rc == -EINVAL) rc = io_uring_queue_init(queue_depth_, &ring_, 0);  // kernel older than 5.19
-    if (rc < 0) return Status::Unimplemented(ErrnoMessage("io_uring unavailable: io_uring_queue_init", -rc));
+    // completions are run when we enter the kernel anyway, not by interrupt
+    // (the kernel refuses it beside SQPOLL, whose thread runs them).
+    io_uring_params params{};
+    params.flags = IORING_SETUP_SUBMIT_ALL | (sq_thread_ ? IORING_SETUP_SQPOLL : IORING_SETUP_COOP_TASKRUN);
+    params.sq_thread_idle = kSqIdleMs;
+    int rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
+    if (rc == -EINVAL) {  // kernel older than 5.19
+      params = {};
+      params.flags = sq_thread_ ? IORING_SETUP_SQPOLL : 0;
+      params.sq_thread_idle = kSqIdleMs;
+      rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
+    }
+    if (rc < 0)
+      return Status::Unimplemented(ErrnoMessage(
+          sq_thread_ ? "io_uring with a submission thread unavailable: io_uring_queue_init" : "io_uring unavailable: io_uring_queue_init",
+          -rc));
     ring_ready_ = true;
     return Status::Ok();
   }
@@ -74,7 +95,7 @@ class UringBackend final : public IoBackend {
     const int rc = io_uring_register_buffers(&ring_, iovecs.data(), unsigned(iovecs.size()));
     // Memory the kernel will not pin for us (a driver's mapping, a memlock
     // limit) still works with plain READ/WRITE: slower, not wrong.
-    if (rc < 0) name_ = "io_uring (" + ErrnoMessage("buffers not registered", -rc) + ")";
+    if (rc < 0) name_ += " (" + ErrnoMessage("buffers not registered", -rc) + ")";
     buffers_registered_ = rc == 0;
     return Status::Ok();
   }
@@ -95,7 +116,9 @@ class UringBackend final : public IoBackend {
       return Status::InvalidArgument("io: min_complete " + std::to_string(min_complete) + " with " +
                                      std::to_string(in_flight_) + " in flight");
     int reaped = Collect(out);
-    while (reaped < min_complete || io_uring_sq_ready(&ring_) > 0) {
+    // Entries still in the ring are the kernel's: its submission thread's
+    // (it takes them without us), or ones it could not take for the moment.
+    while (reaped < min_complete || (!sq_thread_ && io_uring_sq_ready(&ring_) > 0)) {
       const int rc = io_uring_submit_and_wait(&ring_, unsigned(std::max(min_complete - reaped, 0)));
       reaped += Collect(out);
       // EAGAIN/EBUSY: the kernel is short of memory or completion space for
@@ -156,22 +179,23 @@ class UringBackend final : public IoBackend {
   }
 
   const int queue_depth_;
+  const bool sq_thread_;
   io_uring ring_{};
   bool ring_ready_ = false;
   bool buffers_registered_ = false;
   int in_flight_ = 0;
-  std::string name_ = "io_uring";
+  std::string name_;
   IoRegion region_;
   std::vector<int> fds_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<IoBackend>> MakeUringBackend(int queue_depth) {
+Result<std::unique_ptr<IoBackend>> MakeUringBackend(int queue_depth, bool sq_thread) {
   if (queue_depth < 1 || queue_depth > kMaxQueueDepth)
     return Status::InvalidArgument("io_uring: queue depth " + std::to_string(queue_depth) + " outside [1, " +
                                    std::to_string(kMaxQueueDepth) + "]");
-  auto backend = std::make_unique<UringBackend>(queue_depth);
+  auto backend = std::make_unique<UringBackend>(queue_depth, sq_thread);
   QKV_RETURN_IF_ERROR(backend->Init());
   return std::unique_ptr<IoBackend>(std::move(backend));
 }

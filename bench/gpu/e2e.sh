@@ -54,6 +54,7 @@
 #            (--rerank C), adaptive budgets (--unread-bound-mass E), or every layer dense
 #   l3-512k-deadline-slF, l3-1m-deadline-slF   l3-512k-deadline and l3-1m-deadline with a skip
 #            limit (--deadline-skip-limit F): a call whose cold misses pass F of its selection waits
+# RUN_ARGS adds flags to every run (e.g. RUN_ARGS="--io-backend uring-sqpoll").
 # PROFILE_HOST=0 drops --profile-host (its host phases and the stream's marks: events between
 # a step's calls) to time the step without them.
 set -u -o pipefail
@@ -65,7 +66,7 @@ STEPS=${STEPS:-32}
 DISK=${DISK:-/tmp/questkv-disk}
 mkdir -p "$OUT"
 # (No --no-progress: into a log, a phase longer than a minute writes a line a minute.)
-Q="$BIN/questkv run --backend cuda --json --token-budget 2048"
+Q="$BIN/questkv run --backend cuda --json --token-budget 2048 ${RUN_ARGS:-}"
 L3="--preset llama3-8b --context 131072 --steps $STEPS"
 status=0
 one() {  # name, flags...

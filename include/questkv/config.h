@@ -131,7 +131,11 @@ enum class ColdMissPolicy : uint8_t {
 std::string_view ColdMissPolicyName(ColdMissPolicy p);
 Result<ColdMissPolicy> ParseColdMissPolicy(std::string_view s);
 
-enum class IoBackendKind : uint8_t { kAuto, kUring, kPread };
+// The disk tier's I/O: kUring (io_uring), kUringSqpoll (io_uring whose
+// entries a kernel thread submits: the decode thread makes no system call
+// per request, and that thread spins on a core while requests keep coming),
+// kPread (a thread pool), kAuto (io_uring where it works here, else the pool).
+enum class IoBackendKind : uint8_t { kAuto, kUring, kPread, kUringSqpoll };
 std::string_view IoBackendKindName(IoBackendKind k);
 Result<IoBackendKind> ParseIoBackendKind(std::string_view s);
 

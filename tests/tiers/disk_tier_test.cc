@@ -186,6 +186,7 @@ std::vector<DiskCompletion> ReadUntilGood(Harness& h) {
 TEST(DiskTier, RoundTripsOnEveryBackend) {
   std::vector<std::unique_ptr<IoBackend>> backends;
   if (auto uring = MakeUringBackend(kQueueDepth); uring.ok()) backends.push_back(std::move(*uring));
+  if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok()) backends.push_back(std::move(*sqpoll));
   backends.push_back(MakePreadPoolBackend(4, kQueueDepth).value());
   backends.push_back(MakeMemoryBackend(kQueueDepth, 3));
   for (auto& io : backends) {
@@ -315,8 +316,9 @@ TEST(DiskTier, DropDuringIoFreesTheSlotWhenItCompletes) {
 }
 
 TEST(DiskTier, DestructionWaitsForIoInFlight) {
-  for (int i = 0; i < 2; ++i) {
-    Result<std::unique_ptr<IoBackend>> io = i == 0 ? MakeUringBackend(kQueueDepth) : MakePreadPoolBackend(4, kQueueDepth);
+  for (int i = 0; i < 3; ++i) {
+    Result<std::unique_ptr<IoBackend>> io = i == 2 ? MakePreadPoolBackend(4, kQueueDepth)
+                                                   : MakeUringBackend(kQueueDepth, /*sq_thread=*/i == 1);
     if (!io.ok()) continue;
     Harness h(std::move(*io));
     ASSERT_TRUE(h.ok());
@@ -588,6 +590,7 @@ TEST(DiskTierFaults, MixedFaultsOnRealFilesKeepTheInvariants) {
   ASSERT_TRUE(pread.ok());
   MixedFaults(std::move(*pread), 21);
   if (auto uring = MakeUringBackend(kQueueDepth); uring.ok()) MixedFaults(std::move(*uring), 22);
+  if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok()) MixedFaults(std::move(*sqpoll), 24);
 }
 
 TEST(DiskTierFaults, AFailingSeedReproduces) {

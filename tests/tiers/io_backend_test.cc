@@ -33,11 +33,12 @@ void FillRandom(char* p, std::size_t bytes, uint64_t seed) {
   }
 }
 
-enum class Kind { kUring, kPread, kMemory, kMemoryReordered };
+enum class Kind { kUring, kUringSqpoll, kPread, kMemory, kMemoryReordered };
 
 std::string KindName(const testing::TestParamInfo<Kind>& info) {
   switch (info.param) {
     case Kind::kUring: return "Uring";
+    case Kind::kUringSqpoll: return "UringSqpoll";
     case Kind::kPread: return "Pread";
     case Kind::kMemory: return "Memory";
     case Kind::kMemoryReordered: return "MemoryReordered";
@@ -48,6 +49,7 @@ std::string KindName(const testing::TestParamInfo<Kind>& info) {
 Result<std::unique_ptr<IoBackend>> Make(Kind kind, int queue_depth) {
   switch (kind) {
     case Kind::kUring: return MakeUringBackend(queue_depth);
+    case Kind::kUringSqpoll: return MakeUringBackend(queue_depth, /*sq_thread=*/true);
     case Kind::kPread: return MakePreadPoolBackend(4, queue_depth);
     case Kind::kMemory: return MakeMemoryBackend(queue_depth);
     case Kind::kMemoryReordered: return MakeMemoryBackend(queue_depth, 42);
@@ -177,13 +179,14 @@ TEST_P(BackendTest, ShortTransferIsReportedAsItIs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest,
-                         testing::Values(Kind::kUring, Kind::kPread, Kind::kMemory, Kind::kMemoryReordered),
+                         testing::Values(Kind::kUring, Kind::kUringSqpoll, Kind::kPread, Kind::kMemory,
+                                         Kind::kMemoryReordered),
                          KindName);
 
 TEST(DirectBackends, RejectUnalignedRequests) {
   TempDir dir;
   auto region = test::AllocateAligned(4 * kPageBytes);
-  for (Kind kind : {Kind::kUring, Kind::kPread}) {
+  for (Kind kind : {Kind::kUring, Kind::kUringSqpoll, Kind::kPread}) {
     Result<std::unique_ptr<IoBackend>> io = Make(kind, 4);
     if (!io.ok()) continue;  // io_uring unavailable: covered by the skip above
     const std::vector<std::string> paths = {dir.path() + "/f" + std::to_string(int(kind))};
@@ -205,6 +208,7 @@ TEST(DirectBackends, SubmitBeforeSetUpIsAnError) {
   EXPECT_EQ(MakePreadPoolBackend(0, 4).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(MakePreadPoolBackend(2, 0).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(MakeUringBackend(0).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(MakeUringBackend(0, /*sq_thread=*/true).status().code(), Code::kInvalidArgument);
 }
 
 TEST(DefaultBackend, PicksAWorkingBackend) {

@@ -45,7 +45,7 @@ constexpr const char* kUsage =
     "           mean, no --rerank, budgets up to 2048 pages)\n"
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
-    "           --io-backend auto|uring|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
+    "           --io-backend auto|uring|uring-sqpoll|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
     "           --deadline-skip-limit F [1] (deadline: a sequence's call whose cold misses pass F of\n"
     "           its selected head-pages at the layer waits for them)\n"
     "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
