@@ -284,7 +284,16 @@ Status TierMover::Complete(const DiskCompletion& c) {
   h.io = Io::kIdle;
   if (!c.status.ok()) {
     ++(c.status.code() == Code::kCorruption ? stats_.corruptions : stats_.io_errors);
-    if (was_write) {
+    if (was_write && c.status.code() == Code::kCorruption) {
+      // Its pre-write check, off the decode thread: the host copy no longer
+      // matches its seal and must never be served (as Demote does when the
+      // check refuses the write at once). The disk is not at fault.
+      SetHostValid(c.page_id, false);
+      ReleaseHome(h.host_slot);
+      h.host_slot = kNoSlot;
+      h.error = c.status;
+      CountHost();
+    } else if (was_write) {
       // The page keeps its host home; the failure counts toward a failing disk.
       ++stats_.write_errors;
       ++write_failures_;

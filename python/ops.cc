@@ -104,7 +104,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   static const char* kKeys[] = {"layers", "q_heads", "kv_heads", "head_dim", "page_size", "dtype", "summary_dtype",
                                 "token_budget", "sink_pages", "local_pages", "gqa", "dense_layers",
                                 "layer_token_budgets", "max_pages", "hbm_bytes", "host_bytes", "disk_dir",
-                                "disk_bytes", "cold_miss", "io_backend", "prefetch_pages", "backend", "cuda_graphs",
+                                "disk_bytes", "cold_miss", "io_backend", "io_checks_off_thread", "prefetch_pages", "backend", "cuda_graphs",
                                 "cuda_mma_scores", "block_selection", "rerank", "group_pages", "unread_bound_mass", "adaptive_floor",
                                 "deadline_skip_limit"};
   for (const auto& kv : d) {
@@ -141,6 +141,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   c.disk_bytes = Narrow<uint64_t>(Int(d, "disk_bytes", 0), "disk_bytes");
   if (d.contains("cold_miss")) c.cold_miss = Value(ParseColdMissPolicy(d.at("cold_miss")));
   if (d.contains("io_backend")) c.io_backend = Value(ParseIoBackendKind(d.at("io_backend")));
+  c.io_checks_off_thread = Int(d, "io_checks_off_thread", 1) != 0;
   c.prefetch_pages = Narrow<int>(Int(d, "prefetch_pages", c.prefetch_pages), "prefetch_pages");
   c.deadline_skip_limit = Real(d, "deadline_skip_limit", c.deadline_skip_limit);
   if (d.contains("backend")) c.backend = Value(ParseBackend(d.at("backend")));

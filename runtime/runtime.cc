@@ -331,6 +331,7 @@ Result<std::unique_ptr<Runtime>> Runtime::CreateValid(const Config& config, std:
       QKV_ASSIGN_OR_RETURN(io, MakeIoBackend(config));
     }
     DiskTierOptions opts{config.disk_dir, config.disk_bytes, g.page_bytes()};
+    opts.check_writes_off_thread = config.io_checks_off_thread;
     QKV_ASSIGN_OR_RETURN(impl->disk, DiskTier::Open(opts, std::move(io)));
     QKV_RETURN_IF_ERROR(impl->disk->RegisterRegion(impl->host->base(), impl->host->bytes()));
   }

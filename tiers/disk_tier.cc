@@ -6,7 +6,10 @@
 // by a high-water mark (memory grows with slots used, not with capacity).
 // A page's record exists from SubmitWrite until its slot is freed, and while
 // any I/O on the page is in flight its slot is never freed, so a slot is never
-// written and read by two pages at once.
+// written and read by two pages at once. A write checked off the owner's
+// thread counts as in flight from SubmitWrite: its slot and queue entry are
+// taken there, and the owner hands it to the backend (or completes it as a
+// Corruption) when it next submits or reaps after the check.
 #include "tiers/disk_tier.h"
 
 #include <sys/resource.h>
@@ -16,8 +19,12 @@
 #include <atomic>
 #include <cassert>
 #include <cerrno>
+#include <condition_variable>
+#include <deque>
 #include <filesystem>
 #include <limits>
+#include <mutex>
+#include <thread>
 
 #include "tiers/checksum.h"
 #include "tiers/io_backend_common.h"
@@ -45,6 +52,16 @@ struct PendingOp {
   bool is_write = false;
   void* buf = nullptr;
   uint64_t checksum = 0;  // what a read must match
+};
+
+// A write's pre-write check, for the checking thread, and its outcome.
+struct WriteCheck {
+  uint64_t ticket = 0;
+  uint32_t page_id = 0;
+  uint32_t generation = 0;
+  const void* src = nullptr;
+  uint64_t sealed_checksum = 0;
+  bool matches = false;
 };
 
 // Distinguishes the files of several tiers in one process and directory.
@@ -92,6 +109,23 @@ struct DiskTier::Impl {
   bool created_dir = false;
   std::vector<IoCompletion> reaped;   // reused by Reap
 
+  // Writes checked off the owner's thread (options.check_writes_off_thread).
+  std::thread checker;
+  std::mutex mu;
+  std::condition_variable to_check, checked_cv;  // guarded by mu
+  std::deque<WriteCheck> unchecked;              // guarded by mu
+  std::vector<WriteCheck> checked;               // guarded by mu
+  bool stopping = false;                         // guarded by mu
+  bool checker_waits = false, owner_waits = false;  // guarded by mu: a wait to notify
+  int checking = 0;                   // owner: handed to the checker, outcome not yet taken
+  std::vector<WriteCheck> outcomes;   // owner: reused by TakeChecked
+  std::vector<DiskCompletion> ready;  // owner: writes completed without the backend
+
+  ~Impl();
+  void CheckLoop();
+  void TakeChecked(bool wait);
+  int in_flight() const { return io->in_flight() + checking; }
+
   Result<uint32_t> TakeSlot();
   void FreeSlot(uint32_t slot);
   void ErasePage(uint32_t page_id, uint32_t slot);
@@ -103,6 +137,64 @@ struct DiskTier::Impl {
   DiskCompletion CompleteRead(const PendingOp& op, int64_t result, DiskCompletion d);
   void Drain();
 };
+
+DiskTier::Impl::~Impl() {
+  if (!checker.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stopping = true;
+  }
+  to_check.notify_one();
+  checker.join();
+}
+
+void DiskTier::Impl::CheckLoop() {
+  std::unique_lock<std::mutex> lock(mu);
+  for (;;) {
+    checker_waits = true;
+    to_check.wait(lock, [&] { return stopping || !unchecked.empty(); });
+    checker_waits = false;
+    if (unchecked.empty()) return;  // stopping, nothing left
+    WriteCheck c = unchecked.front();
+    unchecked.pop_front();
+    lock.unlock();
+    c.matches = PageChecksum(c.src, options.page_bytes, c.page_id, c.generation) == c.sealed_checksum;
+    lock.lock();
+    checked.push_back(c);
+    if (owner_waits) checked_cv.notify_one();
+  }
+}
+
+// Checked writes go to the backend; a mismatch, or a backend that refuses the
+// write, completes it here (into `ready`, slot freed). With `wait`, waits for
+// at least one outcome (some write must be being checked).
+void DiskTier::Impl::TakeChecked(bool wait) {
+  if (checking == 0) return;
+  outcomes.clear();
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    owner_waits = wait;
+    if (wait) checked_cv.wait(lock, [&] { return !checked.empty(); });
+    owner_waits = false;
+    outcomes.swap(checked);
+  }
+  for (const WriteCheck& c : outcomes) {
+    --checking;
+    const PendingOp& op = pending.at(c.ticket);
+    Status status;
+    if (!c.matches) {
+      ++stats.corruptions;
+      status = Status::Corruption("disk tier: page " + std::to_string(c.page_id) + " generation " +
+                                  std::to_string(c.generation) + " no longer matches its sealed checksum; not written");
+    } else {
+      status = io->Submit(Request(IoRequest::Op::kWrite, op.slot, op.buf, c.ticket));
+      if (status.ok()) continue;  // in the backend now
+    }
+    ErasePage(op.page_id, op.slot);
+    pending.erase(c.ticket);
+    ready.push_back({c.ticket, c.page_id, true, std::move(status)});
+  }
+}
 
 Result<uint32_t> DiskTier::Impl::TakeSlot() {
   uint32_t slot;
@@ -140,7 +232,7 @@ Status DiskTier::Impl::CheckBuffer(const void* buf) const {
 }
 
 Status DiskTier::Impl::CheckQueue() const {
-  if (io->in_flight() >= io->queue_depth())
+  if (in_flight() >= io->queue_depth())
     return Status::ResourceExhausted("disk tier: " + std::to_string(io->queue_depth()) + " I/Os in flight");
   return Status::Ok();
 }
@@ -196,11 +288,16 @@ DiskCompletion DiskTier::Impl::CompleteRead(const PendingOp& op, int64_t result,
 
 void DiskTier::Impl::Drain() {
   std::vector<DiskCompletion> ignored;
-  while (io->in_flight() > 0) {
+  while (in_flight() > 0) {
+    if (io->in_flight() == 0) {  // only checks left: their writes go in, or complete here
+      TakeChecked(/*wait=*/true);
+      continue;
+    }
     reaped.clear();
     const Status status = io->Reap(&reaped, 1);
     for (const IoCompletion& c : reaped) ignored.push_back(Complete(c));
     if (!status.ok()) return;
+    TakeChecked(/*wait=*/false);
   }
 }
 
@@ -243,6 +340,10 @@ Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& options,
     return opened;
   }
   impl->io = std::move(io);
+  if (options.check_writes_off_thread) {
+    Impl* t = impl.get();
+    impl->checker = std::thread([t] { t->CheckLoop(); });
+  }
   return std::unique_ptr<DiskTier>(new DiskTier(std::move(impl)));
 }
 
@@ -274,8 +375,23 @@ Result<uint64_t> DiskTier::SubmitWrite(uint32_t page_id, uint32_t generation, co
   if (t.pages.count(page_id))
     return Status::FailedPrecondition("disk tier: page " + std::to_string(page_id) +
                                       " already has a disk copy or I/O in flight");
+  t.TakeChecked(/*wait=*/false);
   QKV_RETURN_IF_ERROR(t.CheckQueue());
   QKV_ASSIGN_OR_RETURN(const uint32_t slot, t.TakeSlot());
+  const uint64_t ticket = t.next_ticket++;
+  if (t.checker.joinable()) {  // checked on the tier's thread, submitted after
+    t.pages[page_id] = {slot, generation, sealed_checksum, PageState::kWriting};
+    t.pending[ticket] = {page_id, generation, slot, true, const_cast<void*>(src), sealed_checksum};
+    ++t.checking;
+    bool wake;
+    {
+      std::lock_guard<std::mutex> lock(t.mu);
+      t.unchecked.push_back({ticket, page_id, generation, src, sealed_checksum, false});
+      wake = t.checker_waits;  // a busy checker finds the job without a system call
+    }
+    if (wake) t.to_check.notify_one();
+    return ticket;
+  }
   // The pre-write half of the assert pair, as late as it can be.
   if (PageChecksum(src, t.options.page_bytes, page_id, generation) != sealed_checksum) {
     t.FreeSlot(slot);
@@ -283,7 +399,6 @@ Result<uint64_t> DiskTier::SubmitWrite(uint32_t page_id, uint32_t generation, co
     return Status::Corruption("disk tier: page " + std::to_string(page_id) + " generation " +
                               std::to_string(generation) + " no longer matches its sealed checksum; not written");
   }
-  const uint64_t ticket = t.next_ticket++;
   const Status submitted = t.io->Submit(t.Request(IoRequest::Op::kWrite, slot, const_cast<void*>(src), ticket));
   if (!submitted.ok()) {
     t.FreeSlot(slot);
@@ -304,6 +419,7 @@ Result<uint64_t> DiskTier::SubmitRead(uint32_t page_id, uint32_t generation, voi
   PageRecord& record = it->second;
   if (record.state == PageState::kWriting)
     return Status::FailedPrecondition("disk tier: page " + std::to_string(page_id) + " is still being written");
+  t.TakeChecked(/*wait=*/false);
   QKV_RETURN_IF_ERROR(t.CheckQueue());
   const uint64_t ticket = t.next_ticket++;
   QKV_RETURN_IF_ERROR(t.io->Submit(t.Request(IoRequest::Op::kRead, record.slot, dst, ticket)));
@@ -313,11 +429,31 @@ Result<uint64_t> DiskTier::SubmitRead(uint32_t page_id, uint32_t generation, voi
 }
 
 Status DiskTier::Reap(std::vector<DiskCompletion>* out, int min_complete) {
-  impl_->reaped.clear();
-  // Completions the backend delivered are accounted for even if it then failed.
-  const Status status = impl_->io->Reap(&impl_->reaped, min_complete);
-  for (const IoCompletion& c : impl_->reaped) out->push_back(impl_->Complete(c));
-  return status;
+  Impl& t = *impl_;
+  if (min_complete < 0 || min_complete > t.in_flight())
+    return Status::InvalidArgument("disk tier: min_complete " + std::to_string(min_complete) + " with " +
+                                   std::to_string(t.in_flight()) + " in flight");
+  t.TakeChecked(/*wait=*/false);
+  int got = 0;
+  for (bool first = true;; first = false) {
+    got += int(t.ready.size());
+    for (DiskCompletion& d : t.ready) out->push_back(std::move(d));
+    t.ready.clear();
+    if (!first && got >= min_complete) return Status::Ok();
+    // Writes still being checked and nothing in the backend: wait for a check.
+    if (got < min_complete && t.io->in_flight() == 0) {
+      t.TakeChecked(/*wait=*/true);
+      continue;
+    }
+    t.reaped.clear();
+    // Completions the backend delivered are accounted for even if it then failed.
+    const Status status = t.io->Reap(&t.reaped, std::min(std::max(min_complete - got, 0), t.io->in_flight()));
+    for (const IoCompletion& c : t.reaped) out->push_back(t.Complete(c));
+    got += int(t.reaped.size());
+    if (!status.ok()) return status;
+    t.TakeChecked(/*wait=*/false);
+    if (t.ready.empty() && got >= min_complete) return Status::Ok();
+  }
 }
 
 bool DiskTier::Holds(uint32_t page_id, uint32_t generation) const {
@@ -338,7 +474,7 @@ void DiskTier::Drop(uint32_t page_id) {
 }
 
 std::string_view DiskTier::io_name() const { return impl_->io->name(); }
-int DiskTier::in_flight() const { return impl_->io->in_flight(); }
+int DiskTier::in_flight() const { return impl_->in_flight(); }
 int DiskTier::queue_depth() const { return impl_->io->queue_depth(); }
 const DiskStats& DiskTier::stats() const { return impl_->stats; }
 std::size_t DiskTier::slot_bytes() const { return impl_->slot_bytes; }

@@ -17,7 +17,13 @@
 // open: they hold only this process's cache of pages, so nothing is left
 // behind even after a crash.
 //
-// Thread safety: single owner thread (see IoBackend).
+// With DiskTierOptions::check_writes_off_thread the pre-write check runs on
+// the tier's own thread: SubmitWrite returns once the slot is taken, the
+// write goes to the backend at the owner's next call after its check, and a
+// mismatch arrives as the write's completion (Corruption, slot freed).
+//
+// Thread safety: single owner thread (see IoBackend); the checking thread
+// only reads the buffers handed to SubmitWrite.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +43,7 @@ struct DiskTierOptions {
   uint64_t bytes = 0;             // byte budget of all page files
   std::size_t page_bytes = 0;     // one page, before rounding up to 4096
   int files = 4;                  // page files the slots are striped over
+  bool check_writes_off_thread = false;  // see above
 };
 
 struct DiskCompletion {
@@ -66,7 +73,8 @@ class DiskTier {
   // Queues a write of a page's bytes to a fresh slot. `sealed_checksum` is
   // PageChecksum(src, page_bytes, page_id, generation) taken when the page's
   // bytes were known good; Corruption (counted, nothing written, no slot
-  // taken) when src no longer matches it. ResourceExhausted when no slot or
+  // taken) when src no longer matches it, from here or (checked off the
+  // owner's thread) as the write's completion. ResourceExhausted when no slot or
   // queue entry is free; FailedPrecondition when the page already has a disk
   // copy or I/O on it is in flight. `src` must stay untouched until the
   // completion (if it changes, the read-side check catches it).
@@ -78,7 +86,7 @@ class DiskTier {
   // no disk copy (of this generation); FailedPrecondition while its write is
   // in flight.
   Result<uint64_t> SubmitRead(uint32_t page_id, uint32_t generation, void* dst);
-  // Completions, waiting for at least min_complete.
+  // Completions, waiting for at least min_complete (at most in_flight()).
   Status Reap(std::vector<DiskCompletion>* out, int min_complete);
 
   // True when a completed, good write of this (page, generation) is on disk.
@@ -89,6 +97,8 @@ class DiskTier {
 
   // The I/O backend's name(), e.g. "io_uring" or "pread-pool".
   std::string_view io_name() const;
+  // Requests from Submit to their reaped completion (writes being checked
+  // included); at most queue_depth().
   int in_flight() const;
   int queue_depth() const;
   const DiskStats& stats() const;

@@ -170,6 +170,9 @@ struct Config {
   uint64_t disk_bytes = 0;
   IoBackendKind io_backend = IoBackendKind::kAuto;
   int io_queue_depth = 64;
+  // A demotion write re-checks its page's checksum before it goes to disk:
+  // on the disk tier's own thread (true), or on the thread that decodes.
+  bool io_checks_off_thread = true;
   ColdMissPolicy cold_miss = ColdMissPolicy::kStrict;
   // Under deadline: the largest share of a sequence's selected head-pages at
   // a layer that its call may attend without. A call whose cold misses pass

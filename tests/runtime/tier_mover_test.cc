@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <thread>
 #include <vector>
 
 #include "tests/testing/reference.h"
@@ -37,10 +39,13 @@ class TierMoverTest : public ::testing::Test {
   }
   // A fresh mover (by default high water 6, low water 4 of the 8 host
   // slots) over a disk tier of `bytes` in `dir` whose queue holds `depth` I/Os.
-  void OpenMover(const std::string& dir, std::size_t bytes, int depth = 4, double high = 0.75, double low = 0.5) {
+  void OpenMover(const std::string& dir, std::size_t bytes, int depth = 4, double high = 0.75, double low = 0.5,
+                 bool checks_off_thread = false) {
     mover_.reset();
     disk_.reset();
-    auto disk = DiskTier::Open({dir, bytes, g_.page_bytes()}, MakeMemoryBackend(depth));
+    DiskTierOptions options{dir, bytes, g_.page_bytes()};
+    options.check_writes_off_thread = checks_off_thread;
+    auto disk = DiskTier::Open(options, MakeMemoryBackend(depth));
     ASSERT_TRUE(disk.ok()) << disk.status().ToString();
     disk_ = std::move(*disk);
     ASSERT_TRUE(disk_->RegisterRegion(host_->base(), host_->bytes()).ok());
@@ -129,6 +134,43 @@ TEST_F(TierMoverTest, SealsDemotesAndPromotesWithTheListenerInStep) {
   EXPECT_EQ(published_[7], nullptr);
   EXPECT_EQ(mover_->HostHome(7), nullptr);
 }
+
+// A host copy damaged after its seal is never written to disk, and once its
+// demotion's check finds it, never served again: on the decoding thread
+// (refused by SubmitWrite) or on the disk tier's own (the write's completion).
+class TierMoverChecks : public TierMoverTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(TierMoverChecks, AHostCopyDamagedAfterItsSealIsNeverWrittenNorServed) {
+  ASSERT_NO_FATAL_FAILURE(OpenMover(dir_.string(), 1 << 20, 4, 0.75, 0.5, /*checks_off_thread=*/GetParam()));
+  for (uint32_t p = 0; p < 7; ++p) SealPage(p, uint8_t(5 * p), 1);
+  for (uint32_t p = 0; p < 7; ++p) mover_->NoteSelected(p, p + 2);
+  static_cast<uint8_t*>(const_cast<void*>(mover_->HostHome(0)))[7] ^= 0x40;  // page 0, the coldest
+  ASSERT_TRUE(mover_->Pump(20).ok());
+  for (int i = 0; i < 5000 && disk_->in_flight() > 0; ++i) {  // the checks run beside the pumps
+    ASSERT_TRUE(mover_->Pump(21).ok());
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  ASSERT_EQ(disk_->in_flight(), 0);
+  EXPECT_EQ(mover_->stats().corruptions, 1);
+  EXPECT_EQ(disk_->stats().corruptions, 1);
+  EXPECT_EQ(mover_->stats().write_errors, 0) << "the disk is not at fault";
+  EXPECT_EQ(mover_->stats().demotions, 2);  // pages 1 and 2, down to the low-water mark
+  EXPECT_FALSE(disk_->Holds(0, 1));
+  EXPECT_EQ(mover_->HostHome(0), nullptr);
+  EXPECT_EQ(published_[0], nullptr);
+  EXPECT_EQ(mover_->EnsureHost(0, 1, 22).code(), Code::kCorruption);
+  for (uint32_t p : {1u, 2u}) {
+    ASSERT_EQ(mover_->HostHome(p), nullptr) << "page " << p;
+    ASSERT_TRUE(mover_->EnsureHost(p, 1, 22).ok()) << "page " << p;
+  }
+  truth_.erase(0);
+  CheckHomes();
+}
+
+INSTANTIATE_TEST_SUITE_P(CheckThreads, TierMoverChecks, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("OffThread") : std::string("Inline");
+                         });
 
 TEST_F(TierMoverTest, DemotionTakesTheColdestAndSparesPagesSelectedSince) {
   // Pages 0..6 fill 7 of 8 host slots (high water 6), page p last selected at step p + 2.

@@ -46,10 +46,10 @@ std::unique_ptr<IoBackend> Faulty(const FaultPlan& plan, int queue_depth = kQueu
 // buffer per page id.
 class Harness {
  public:
-  explicit Harness(std::unique_ptr<IoBackend> io, uint32_t capacity_slots = 2 * kPages)
+  explicit Harness(std::unique_ptr<IoBackend> io, uint32_t capacity_slots = 2 * kPages, bool checks_off_thread = false)
       : region_(test::AllocateAligned(2 * kPages * kSlotBytes)) {
-    Result<std::unique_ptr<DiskTier>> tier =
-        DiskTier::Open({dir_.path() + "/tier", capacity_slots * kSlotBytes, kPageBytes, 3}, std::move(io));
+    Result<std::unique_ptr<DiskTier>> tier = DiskTier::Open(
+        {dir_.path() + "/tier", capacity_slots * kSlotBytes, kPageBytes, 3, checks_off_thread}, std::move(io));
     EXPECT_TRUE(tier.ok()) << tier.status().ToString();
     if (!tier.ok()) return;
     tier_ = std::move(*tier);
@@ -183,27 +183,31 @@ std::vector<DiskCompletion> ReadUntilGood(Harness& h) {
 
 // ---- every backend ----------------------------------------------------------
 
+// Every backend, with the writes' checks on the owner's thread and on the tier's.
 TEST(DiskTier, RoundTripsOnEveryBackend) {
-  std::vector<std::unique_ptr<IoBackend>> backends;
-  if (auto uring = MakeUringBackend(kQueueDepth); uring.ok()) backends.push_back(std::move(*uring));
-  if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok()) backends.push_back(std::move(*sqpoll));
-  backends.push_back(MakePreadPoolBackend(4, kQueueDepth).value());
-  backends.push_back(MakeMemoryBackend(kQueueDepth, 3));
-  for (auto& io : backends) {
-    SCOPED_TRACE(std::string(io->name()));
-    Harness h(std::move(io));
-    ASSERT_TRUE(h.ok());
-    for (const DiskCompletion& d : h.Write(AllPages())) EXPECT_TRUE(d.status.ok()) << d.status.ToString();
-    std::vector<uint32_t> ids = AllPages();
-    std::shuffle(ids.begin(), ids.end(), std::mt19937_64(1));
-    for (const DiskCompletion& d : h.Read(ids)) EXPECT_TRUE(d.status.ok()) << d.status.ToString();
-    const DiskStats& s = h.tier().stats();
-    EXPECT_EQ(s.writes, kPages);
-    EXPECT_EQ(s.reads, kPages);
-    EXPECT_EQ(s.bytes_read, int64_t(kPages * kSlotBytes));
-    EXPECT_EQ(s.slots_peak, kPages);
-    EXPECT_EQ(s.io_errors + s.corruptions, 0);
-    h.ExpectNoLeaks();
+  for (const bool checks_off_thread : {false, true}) {
+    std::vector<std::unique_ptr<IoBackend>> backends;
+    if (auto uring = MakeUringBackend(kQueueDepth); uring.ok()) backends.push_back(std::move(*uring));
+    if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok())
+      backends.push_back(std::move(*sqpoll));
+    backends.push_back(MakePreadPoolBackend(4, kQueueDepth).value());
+    backends.push_back(MakeMemoryBackend(kQueueDepth, 3));
+    for (auto& io : backends) {
+      SCOPED_TRACE(std::string(io->name()) + (checks_off_thread ? ", checks off thread" : ""));
+      Harness h(std::move(io), 2 * kPages, checks_off_thread);
+      ASSERT_TRUE(h.ok());
+      for (const DiskCompletion& d : h.Write(AllPages())) EXPECT_TRUE(d.status.ok()) << d.status.ToString();
+      std::vector<uint32_t> ids = AllPages();
+      std::shuffle(ids.begin(), ids.end(), std::mt19937_64(1));
+      for (const DiskCompletion& d : h.Read(ids)) EXPECT_TRUE(d.status.ok()) << d.status.ToString();
+      const DiskStats& s = h.tier().stats();
+      EXPECT_EQ(s.writes, kPages);
+      EXPECT_EQ(s.reads, kPages);
+      EXPECT_EQ(s.bytes_read, int64_t(kPages * kSlotBytes));
+      EXPECT_EQ(s.slots_peak, kPages);
+      EXPECT_EQ(s.io_errors + s.corruptions, 0);
+      h.ExpectNoLeaks();
+    }
   }
 }
 
@@ -401,6 +405,97 @@ TEST(DiskTier, SourceChangedWhileWriteQueuedIsCaughtOnRead) {
   h.ExpectNoLeaks();
 }
 
+// ---- the pre-write check on the tier's own thread ---------------------------
+
+// The damaged page of SealedPageDamagedBeforeWriteIsRefused, checked off the
+// owner's thread: SubmitWrite takes a slot and a queue entry, and the write
+// completes as a Corruption that frees them; nothing reaches the disk.
+TEST(DiskTierChecksOffThread, DamagedPageCompletesAsCorruption) {
+  Harness h(MakeMemoryBackend(kQueueDepth), 2 * kPages, /*checks_off_thread=*/true);
+  ASSERT_TRUE(h.ok());
+  DiskTier& t = h.tier();
+  const uint64_t sealed = h.Seal(5);
+  h.Truth(5)[1234] ^= 0x20;
+  const Result<uint64_t> w = t.SubmitWrite(5, 1, h.Truth(5), sealed);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(t.in_flight(), 1);
+  EXPECT_EQ(t.stats().slots_used, 1u);
+  EXPECT_EQ(t.SubmitRead(5, 1, h.ReadBuffer(5)).status().code(), Code::kFailedPrecondition);
+  std::vector<DiskCompletion> done;
+  ASSERT_TRUE(t.Reap(&done, 1).ok());
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].ticket, *w);
+  EXPECT_EQ(done[0].page_id, 5u);
+  EXPECT_TRUE(done[0].is_write);
+  EXPECT_EQ(done[0].status.code(), Code::kCorruption) << done[0].status.ToString();
+  EXPECT_EQ(t.stats().corruptions, 1);
+  EXPECT_EQ(t.stats().writes, 0);
+  EXPECT_EQ(t.stats().slots_used, 0u);
+  EXPECT_EQ(t.in_flight(), 0);
+  EXPECT_FALSE(t.Holds(5, 1));
+  EXPECT_EQ(t.SubmitRead(5, 1, h.ReadBuffer(5)).status().code(), Code::kNotFound);
+  h.Truth(5)[1234] ^= 0x20;  // the intact page writes fine afterwards
+  for (const DiskCompletion& d : h.Write({5, 6})) EXPECT_TRUE(d.status.ok());
+  for (const DiskCompletion& d : h.Read({5, 6})) EXPECT_TRUE(d.status.ok());
+  h.ExpectNoLeaks();
+}
+
+// Writes being checked hold their queue entries: the queue's bound covers
+// them, and Reap may wait for them.
+TEST(DiskTierChecksOffThread, WritesBeingCheckedCountAgainstTheQueue) {
+  Harness h(MakeMemoryBackend(2), 2 * kPages, /*checks_off_thread=*/true);
+  ASSERT_TRUE(h.ok());
+  DiskTier& t = h.tier();
+  ASSERT_TRUE(t.SubmitWrite(0, 1, h.Truth(0), h.Seal(0)).ok());
+  ASSERT_TRUE(t.SubmitWrite(1, 1, h.Truth(1), h.Seal(1)).ok());
+  EXPECT_EQ(t.in_flight(), 2);
+  EXPECT_EQ(t.SubmitWrite(2, 1, h.Truth(2), h.Seal(2)).status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(t.stats().slots_used, 2u);
+  std::vector<DiskCompletion> done;
+  EXPECT_EQ(t.Reap(&done, 3).code(), Code::kInvalidArgument);
+  ASSERT_TRUE(t.Reap(&done, 2).ok());
+  ASSERT_EQ(done.size(), 2u);
+  for (const DiskCompletion& d : done) EXPECT_TRUE(d.status.ok()) << d.status.ToString();
+  EXPECT_TRUE(t.Holds(0, 1));
+  EXPECT_TRUE(t.Holds(1, 1));
+  h.ExpectNoLeaks();
+}
+
+// A page dropped while its write is being checked frees its slot when the
+// write completes, good or refused.
+TEST(DiskTierChecksOffThread, DropWhileCheckedFreesTheSlot) {
+  Harness h(MakeMemoryBackend(kQueueDepth), 2 * kPages, /*checks_off_thread=*/true);
+  ASSERT_TRUE(h.ok());
+  DiskTier& t = h.tier();
+  const uint64_t sealed1 = h.Seal(1);
+  h.Truth(1)[9] ^= 1;  // page 1 is refused by its check
+  ASSERT_TRUE(t.SubmitWrite(0, 1, h.Truth(0), h.Seal(0)).ok());
+  ASSERT_TRUE(t.SubmitWrite(1, 1, h.Truth(1), sealed1).ok());
+  t.Drop(0);
+  t.Drop(1);
+  EXPECT_EQ(t.stats().slots_used, 2u);
+  std::vector<DiskCompletion> done;
+  ASSERT_TRUE(t.Reap(&done, 2).ok());
+  EXPECT_EQ(Codes(done), (std::map<Code, int>{{Code::kOk, 1}, {Code::kCorruption, 1}}));
+  EXPECT_EQ(t.stats().slots_used, 0u);
+  EXPECT_FALSE(t.Holds(0, 1));
+  EXPECT_FALSE(t.Holds(1, 1));
+}
+
+// Destroying the tier with writes being checked and in the backend waits for
+// both before its buffers can go.
+TEST(DiskTierChecksOffThread, DestructionWaitsForChecksAndIo) {
+  for (int i = 0; i < 3; ++i) {
+    Result<std::unique_ptr<IoBackend>> io =
+        i == 0 ? Result<std::unique_ptr<IoBackend>>(MakeMemoryBackend(kQueueDepth))
+               : i == 1 ? MakePreadPoolBackend(4, kQueueDepth) : MakeUringBackend(kQueueDepth, /*sq_thread=*/true);
+    if (!io.ok()) continue;
+    Harness h(std::move(*io), 2 * kPages, /*checks_off_thread=*/true);
+    ASSERT_TRUE(h.ok());
+    for (uint32_t id = 0; id < kQueueDepth; ++id) ASSERT_TRUE(h.tier().SubmitWrite(id, 1, h.Truth(id), h.Seal(id)).ok());
+  }
+}
+
 // ---- one test per fault kind ------------------------------------------------
 
 TEST(DiskTierFaults, ReadEioIsIOErrorAndRetrySucceeds) {
@@ -554,13 +649,14 @@ TEST(DiskTierFaults, AfterMisdirectedWritesRewrittenPagesServeAgain) {
 
 // All faults at once, over real files: the invariants still hold, and the
 // run reproduces for its seed with the memory backend.
-std::vector<std::pair<uint64_t, Code>> MixedFaults(std::unique_ptr<IoBackend> inner, uint64_t seed) {
+std::vector<std::pair<uint64_t, Code>> MixedFaults(std::unique_ptr<IoBackend> inner, uint64_t seed,
+                                                   bool checks_off_thread = false) {
   FaultPlan plan;
   plan.seed = seed;
   plan.read_eio = plan.write_eio = plan.write_enospc = 0.05;
   plan.short_read = plan.short_write = plan.corrupt_read = plan.misdirected_write = 0.05;
   plan.delay = 0.2;
-  Harness h(MakeFaultInjectingBackend(std::move(inner), plan));
+  Harness h(MakeFaultInjectingBackend(std::move(inner), plan), 2 * kPages, checks_off_thread);
   EXPECT_TRUE(h.ok());
   if (!h.ok()) return {};
   std::vector<std::pair<uint64_t, Code>> log;
@@ -591,6 +687,15 @@ TEST(DiskTierFaults, MixedFaultsOnRealFilesKeepTheInvariants) {
   MixedFaults(std::move(*pread), 21);
   if (auto uring = MakeUringBackend(kQueueDepth); uring.ok()) MixedFaults(std::move(*uring), 22);
   if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok()) MixedFaults(std::move(*sqpoll), 24);
+}
+
+TEST(DiskTierFaults, MixedFaultsWithChecksOffThreadKeepTheInvariants) {
+  MixedFaults(MakeMemoryBackend(kQueueDepth, 5), 25, /*checks_off_thread=*/true);
+  auto pread = MakePreadPoolBackend(4, kQueueDepth);
+  ASSERT_TRUE(pread.ok());
+  MixedFaults(std::move(*pread), 26, /*checks_off_thread=*/true);
+  if (auto sqpoll = MakeUringBackend(kQueueDepth, /*sq_thread=*/true); sqpoll.ok())
+    MixedFaults(std::move(*sqpoll), 27, /*checks_off_thread=*/true);
 }
 
 TEST(DiskTierFaults, AFailingSeedReproduces) {
