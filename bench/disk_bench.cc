@@ -6,8 +6,7 @@
 //   tier io_uring  DiskTier promotion path (SubmitRead + Reap, checksum
 //                  verified) over the io_uring backend
 //   tier pread     the same over the pread pool (one thread per queue slot)
-//   sq thread      the io_uring tier with a kernel submission thread and the
-//                  writes' checksum checks on the tier's own thread, where
+//   sq thread      the io_uring tier with a kernel submission thread, where
 //                  the kernel allows one
 //
 // and, for the io_uring tiers, the owner's time per submit call: what a
@@ -119,8 +118,8 @@ void PrintTable(const Args& a, const std::vector<DiskProbeResult>& rows, double 
                 r.tier_uring_gbps / r.raw_uring_gbps, r.tier_uring_gbps / r.raw_uring_touched_gbps,
                 r.tier_write_gbps, r.direct ? "yes" : "NO");
   if (!rows.empty()) std::printf("io_uring backend: %s\n", rows[0].uring_backend.c_str());
-  std::printf("the owner's time per submit (write: its checksum check included, where it runs on the owner), and the "
-              "io_uring tier with a kernel submission thread and the checks on the tier's thread:\n");
+  std::printf("the owner's time per submit (a write's includes its checksum check), and the io_uring tier with a "
+              "kernel submission thread:\n");
   std::printf("%-8s %16s %17s %17s %16s %18s\n", "block", "io_uring read", "io_uring write", "sq thread read",
               "sq thread write", "sq thread rates");
   for (const DiskProbeResult& r : rows) {

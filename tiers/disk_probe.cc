@@ -252,14 +252,11 @@ Result<Throughput> Pump(FilledTier* t, int64_t count, Clock::time_point deadline
 }
 
 Result<std::unique_ptr<FilledTier>> FillTier(const std::string& dir, uint64_t file_bytes, std::size_t block_bytes,
-                                             Result<std::unique_ptr<IoBackend>> io, Throughput* write,
-                                             bool checks_off_thread = false) {
+                                             Result<std::unique_ptr<IoBackend>> io, Throughput* write) {
   if (!io.ok()) return io.status();
   auto t = std::make_unique<FilledTier>();
   const int queue_depth = (*io)->queue_depth();
-  DiskTierOptions options{dir, file_bytes, block_bytes};
-  options.check_writes_off_thread = checks_off_thread;
-  QKV_ASSIGN_OR_RETURN(t->tier, DiskTier::Open(options, std::move(*io)));
+  QKV_ASSIGN_OR_RETURN(t->tier, DiskTier::Open({dir, file_bytes, block_bytes}, std::move(*io)));
   t->slot_bytes = t->tier->slot_bytes();
   t->pages = t->tier->stats().slots_capacity;
   QKV_ASSIGN_OR_RETURN(t->pool, BufferPool::Create(t->slot_bytes, queue_depth));
@@ -299,12 +296,11 @@ Result<DiskProbeResult> Probe(const std::string& dir, uint64_t file_bytes, std::
   QKV_ASSIGN_OR_RETURN(auto uring, FillTier(dir, file_bytes, block_bytes, MakeUringBackend(queue_depth), &uring_write));
   QKV_ASSIGN_OR_RETURN(auto pread, FillTier(dir, file_bytes, block_bytes,
                                             MakePreadPoolBackend(queue_depth, queue_depth), &pread_write));
-  // The io_uring tier with a kernel submission thread and the writes'
-  // checks on the tier's own thread, where the kernel allows one (its
-  // absence leaves its figures at 0).
+  // The io_uring tier with a kernel submission thread, where the kernel
+  // allows one (its absence leaves its figures at 0).
   Throughput sqpoll_write, sqpoll_read;
-  Result<std::unique_ptr<FilledTier>> sqpoll = FillTier(
-      dir, file_bytes, block_bytes, MakeUringBackend(queue_depth, /*sq_thread=*/true), &sqpoll_write, true);
+  Result<std::unique_ptr<FilledTier>> sqpoll =
+      FillTier(dir, file_bytes, block_bytes, MakeUringBackend(queue_depth, /*sq_thread=*/true), &sqpoll_write);
   if (!sqpoll.ok() && sqpoll.status().code() != Code::kUnimplemented) return sqpoll.status();
   Throughput raw_read, raw_touched, uring_read, pread_read;
   // One generator per path, same seed: all read the same block sequence.

@@ -12,8 +12,8 @@
 //                      over the io_uring backend (the promotion path);
 //   tier_pread         the same over the pread pool (the fallback);
 //   tier_sqpoll        the io_uring tier with a kernel submission thread
-//                      (IoBackendKind::kUringSqpoll) and its writes' checks
-//                      on the tier's own thread, where the kernel allows one.
+//                      (IoBackendKind::kUringSqpoll), where the kernel allows
+//                      one.
 // Beside each io_uring tier's rates: the owner's time per submit call (the
 // checksum re-check of a write included), the time a decode thread spends
 // per promotion or demotion it starts.

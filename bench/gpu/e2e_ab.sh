@@ -8,7 +8,10 @@
 # A build is a directory holding `questkv`, or a questkv binary compressed
 # with xz (as carried). ROUNDS (default 2) rounds; e2e.sh's variables
 # (STEPS, PROFILE_HOST, RECALL_1M, ...) pass through; T (default 170) limits
-# each run in seconds.
+# each run in seconds. OLD_ARGS and NEW_ARGS add flags to each side's runs
+# (e2e.sh's RUN_ARGS): one build twice compares two settings, e.g.
+#   OLD_ARGS="--io-backend uring" NEW_ARGS="--io-backend uring-sqpoll --io-checks-off-thread" \
+#     bash bench/gpu/e2e_ab.sh BUILD BUILD l3-1m-deadline-16l
 set -u -o pipefail
 [ $# -ge 3 ] || { echo "usage: $0 OLD NEW run ..." >&2; exit 2; }
 OLD=$1 NEW=$2
@@ -27,9 +30,10 @@ status=0
 for i in $(seq 1 "${ROUNDS:-2}"); do
   for run in $RUNS; do
     for side in old new; do
-      bin=$old; [ $side = new ] && bin=$new
+      bin=$old args=${OLD_ARGS:-}
+      [ $side = new ] && bin=$new args=${NEW_ARGS:-}
       s=$(date +%s)
-      OUT="$OUT/$side$i" timeout "${T:-170}" bash bench/gpu/e2e.sh "$bin" "$run" > "$OUT/$side$i.log" 2>&1 || status=1
+      OUT="$OUT/$side$i" RUN_ARGS="$args" timeout "${T:-170}" bash bench/gpu/e2e.sh "$bin" "$run" > "$OUT/$side$i.log" 2>&1 || status=1
       echo "$side$i $run: $(( $(date +%s) - s )) s"
       tar czf "$OUT/ab.tgz" -C "$OUT" --exclude ab.tgz . 2>/dev/null
     done

@@ -171,8 +171,11 @@ struct Config {
   IoBackendKind io_backend = IoBackendKind::kAuto;
   int io_queue_depth = 64;
   // A demotion write re-checks its page's checksum before it goes to disk:
-  // on the disk tier's own thread (true), or on the thread that decodes.
-  bool io_checks_off_thread = true;
+  // on the thread that decodes (false), or on the disk tier's own (true:
+  // the write then goes to the backend at the tier's next call, so room on
+  // the host comes later; on the 2-core development VM `deadline` skipped
+  // ~50% more, bench/results/2026-12-07-cpu-io-submission-off-the-decode-thread.md).
+  bool io_checks_off_thread = false;
   ColdMissPolicy cold_miss = ColdMissPolicy::kStrict;
   // Under deadline: the largest share of a sequence's selected head-pages at
   // a layer that its call may attend without. A call whose cold misses pass

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <utility>
 
 #include "questkv/runtime.h"
 #include "tiers/io_backend.h"
@@ -220,15 +221,20 @@ TEST(Tiered, ASkipLimitOutsideZeroToOneIsRefused) {
   }
 }
 
-// Every I/O backend over real files serves the all-in-memory outputs.
+// Every I/O backend over real files, with the writes' checks on the decoding
+// thread or the disk tier's, serves the all-in-memory outputs.
 TEST(Tiered, RealDiskThroughEveryBackend) {
-  for (IoBackendKind kind : {IoBackendKind::kAuto, IoBackendKind::kUring, IoBackendKind::kUringSqpoll,
-                             IoBackendKind::kPread}) {
-    SCOPED_TRACE(std::string(IoBackendKindName(kind)));
+  const std::pair<IoBackendKind, bool> cases[] = {{IoBackendKind::kAuto, false},
+                                                  {IoBackendKind::kUring, false},
+                                                  {IoBackendKind::kUringSqpoll, true},
+                                                  {IoBackendKind::kPread, true}};
+  for (const auto& [kind, checks_off_thread] : cases) {
+    SCOPED_TRACE(std::string(IoBackendKindName(kind)) + (checks_off_thread ? ", checks off thread" : ""));
     test::ScratchDir dir;
     Config c = Tiny(ColdMissPolicy::kStrict);
     c.disk_dir = dir.path();
     c.io_backend = kind;
+    c.io_checks_off_thread = checks_off_thread;
     auto rt = Runtime::Create(c);
     if (rt.status().code() == Code::kUnimplemented) continue;  // io_uring unavailable here
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();

@@ -46,8 +46,8 @@ constexpr const char* kUsage =
     "memory:    --max-pages N [enough for the run] --hbm-bytes BYTES[K|M|G] [all pages]\n"
     "           --host-bytes BYTES [all pages] --disk-dir DIR [none] --disk-bytes BYTES\n"
     "           --io-backend auto|uring|uring-sqpoll|pread [auto] --io-queue-depth 64 --cold-miss strict|deadline\n"
-    "           --io-inline-checks (a demotion's pre-write checksum check on the decoding thread, not the\n"
-    "           disk tier's own)\n"
+    "           --io-checks-off-thread (a demotion's pre-write checksum check on the disk tier's own\n"
+    "           thread, not the decoding one)\n"
     "           --deadline-skip-limit F [1] (deadline: a sequence's call whose cold misses pass F of\n"
     "           its selected head-pages at the layer waits for them)\n"
     "           --prefetch-pages 4 (runners-up promoted from disk ahead of need)\n"
@@ -135,7 +135,7 @@ Result<RunOptions> ParseRunOptions(const Flags& f) {
   QKV_ASSIGN_OR_RETURN(std::string summary_dtype, f.String("summary-dtype", "kv"));
   QKV_ASSIGN_OR_RETURN(g.summary_dtype, ParseSummaryDType(summary_dtype));
   o.config.cuda_graphs = !f.has("no-cuda-graphs");
-  o.config.io_checks_off_thread = !f.has("io-inline-checks");
+  o.config.io_checks_off_thread = f.has("io-checks-off-thread");
   o.config.cuda_chain_kernels = !f.has("no-chain-kernels");
   o.config.cuda_stage_misses = !f.has("no-stage-misses");
   o.config.cuda_fill_in_attention = !f.has("gather-misses");
@@ -242,7 +242,7 @@ int RunMain(int argc, char** argv) {
                "max-pages", "hbm-bytes", "host-bytes", "disk-dir", "disk-bytes", "io-backend", "io-queue-depth",
                "cold-miss", "deadline-skip-limit", "prefetch-pages", "recall-every", "recall-layers", "top-r", "metrics-port", "metrics-linger-ms",
                "draft", "accept-rate", "block-selection", "rerank", "group-pages", "unread-bound-mass", "adaptive-floor"},
-              {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "io-inline-checks", "no-stage-misses", "gather-misses",
+              {"json", "no-progress", "no-cuda-graphs", "no-chain-kernels", "io-checks-off-thread", "no-stage-misses", "gather-misses",
                "split-long-rows", "mma-scores", "profile-host", "help"});
   if (Status s = flags.Parse(argc, argv); !s.ok()) {
     std::fprintf(stderr, "questkv run: %s\n%s", s.message().c_str(), kUsage);
