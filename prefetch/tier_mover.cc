@@ -70,6 +70,16 @@ void TierMover::ReleaseHome(uint32_t slot) {
   }
 }
 
+// A demotion's pre-write check found the host copy no longer matching its
+// seal: it must never be served, and `why` is what a wait for it returns.
+void TierMover::DropDamagedHome(uint32_t page, Status why) {
+  Home& h = homes_[page];
+  SetHostValid(page, false);
+  ReleaseHome(h.host_slot);
+  h.host_slot = kNoSlot;
+  h.error = std::move(why);
+}
+
 Status TierMover::Recycle(bool wait) {
   if (retired_.empty()) return Status::Ok();
   uint64_t done = UINT64_MAX;  // no device reads any more
@@ -285,13 +295,8 @@ Status TierMover::Complete(const DiskCompletion& c) {
   if (!c.status.ok()) {
     ++(c.status.code() == Code::kCorruption ? stats_.corruptions : stats_.io_errors);
     if (was_write && c.status.code() == Code::kCorruption) {
-      // Its pre-write check, off the decode thread: the host copy no longer
-      // matches its seal and must never be served (as Demote does when the
-      // check refuses the write at once). The disk is not at fault.
-      SetHostValid(c.page_id, false);
-      ReleaseHome(h.host_slot);
-      h.host_slot = kNoSlot;
-      h.error = c.status;
+      // Its pre-write check ran off the decode thread; the disk is not at fault.
+      DropDamagedHome(c.page_id, c.status);
       CountHost();
     } else if (was_write) {
       // The page keeps its host home; the failure counts toward a failing disk.
@@ -399,12 +404,8 @@ Status TierMover::Demote(std::size_t target_used, int64_t step, int max_in_fligh
           break;
         }
         if (code != Code::kCorruption) return ticket.status();
-        // The host copy no longer matches its seal: it must never be served.
         ++stats_.corruptions;
-        SetHostValid(p, false);
-        ReleaseHome(h.host_slot);
-        h.host_slot = kNoSlot;
-        h.error = ticket.status();
+        DropDamagedHome(p, ticket.status());
         --used;
         continue;
       }

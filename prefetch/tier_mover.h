@@ -229,6 +229,8 @@ class TierMover {
   // Frees the slot of a home that was readable: at once, or once the device
   // calls that may read it are done.
   void ReleaseHome(uint32_t slot);
+  // Unreadable from now on: a home its demotion's pre-write check refused.
+  void DropDamagedHome(uint32_t page, Status why);
   // Returns retired slots whose readers are done (all of them, after waiting
   // for the device, when `wait`).
   Status Recycle(bool wait);

@@ -57,12 +57,14 @@ struct PendingOp {
 // A write's pre-write check, for the checking thread, and its outcome.
 struct WriteCheck {
   uint64_t ticket = 0;
-  uint32_t page_id = 0;
-  uint32_t generation = 0;
-  const void* src = nullptr;
-  uint64_t sealed_checksum = 0;
+  PendingOp op;
   bool matches = false;
 };
+
+Status Damaged(uint32_t page_id, uint32_t generation) {
+  return Status::Corruption("disk tier: page " + std::to_string(page_id) + " generation " +
+                            std::to_string(generation) + " no longer matches its sealed checksum; not written");
+}
 
 // Distinguishes the files of several tiers in one process and directory.
 std::atomic<uint64_t> g_tier_instance{0};
@@ -133,6 +135,7 @@ struct DiskTier::Impl {
   Status CheckQueue() const;
   IoRequest Request(IoRequest::Op op, uint32_t slot, void* buf, uint64_t ticket) const;
   DiskCompletion Complete(const IoCompletion& c);
+  Status Reap(std::vector<DiskCompletion>* out, int min_complete);
   DiskCompletion CompleteWrite(const PendingOp& op, int64_t result, DiskCompletion d);
   DiskCompletion CompleteRead(const PendingOp& op, int64_t result, DiskCompletion d);
   void Drain();
@@ -158,7 +161,7 @@ void DiskTier::Impl::CheckLoop() {
     WriteCheck c = unchecked.front();
     unchecked.pop_front();
     lock.unlock();
-    c.matches = PageChecksum(c.src, options.page_bytes, c.page_id, c.generation) == c.sealed_checksum;
+    c.matches = PageChecksum(c.op.buf, options.page_bytes, c.op.page_id, c.op.generation) == c.op.checksum;
     lock.lock();
     checked.push_back(c);
     if (owner_waits) checked_cv.notify_one();
@@ -180,19 +183,18 @@ void DiskTier::Impl::TakeChecked(bool wait) {
   }
   for (const WriteCheck& c : outcomes) {
     --checking;
-    const PendingOp& op = pending.at(c.ticket);
+    const PendingOp& op = c.op;
     Status status;
     if (!c.matches) {
       ++stats.corruptions;
-      status = Status::Corruption("disk tier: page " + std::to_string(c.page_id) + " generation " +
-                                  std::to_string(c.generation) + " no longer matches its sealed checksum; not written");
+      status = Damaged(op.page_id, op.generation);
     } else {
       status = io->Submit(Request(IoRequest::Op::kWrite, op.slot, op.buf, c.ticket));
       if (status.ok()) continue;  // in the backend now
     }
     ErasePage(op.page_id, op.slot);
     pending.erase(c.ticket);
-    ready.push_back({c.ticket, c.page_id, true, std::move(status)});
+    ready.push_back({c.ticket, op.page_id, true, std::move(status)});
   }
 }
 
@@ -286,19 +288,37 @@ DiskCompletion DiskTier::Impl::CompleteRead(const PendingOp& op, int64_t result,
   return d;
 }
 
+Status DiskTier::Impl::Reap(std::vector<DiskCompletion>* out, int min_complete) {
+  if (min_complete < 0 || min_complete > in_flight())
+    return Status::InvalidArgument("disk tier: min_complete " + std::to_string(min_complete) + " with " +
+                                   std::to_string(in_flight()) + " in flight");
+  int got = 0;
+  auto take_ready = [&] {  // checked writes into the backend; refused ones are complete
+    TakeChecked(/*wait=*/false);
+    got += int(ready.size());
+    for (DiskCompletion& d : ready) out->push_back(std::move(d));
+    ready.clear();
+  };
+  take_ready();
+  do {
+    if (got < min_complete && io->in_flight() == 0) {  // only writes being checked can complete
+      TakeChecked(/*wait=*/true);
+    } else {
+      reaped.clear();
+      // Completions the backend delivered are accounted for even if it then failed.
+      const Status status = io->Reap(&reaped, std::min(std::max(min_complete - got, 0), io->in_flight()));
+      for (const IoCompletion& c : reaped) out->push_back(Complete(c));
+      got += int(reaped.size());
+      if (!status.ok()) return status;
+    }
+    take_ready();
+  } while (got < min_complete);
+  return Status::Ok();
+}
+
 void DiskTier::Impl::Drain() {
   std::vector<DiskCompletion> ignored;
-  while (in_flight() > 0) {
-    if (io->in_flight() == 0) {  // only checks left: their writes go in, or complete here
-      TakeChecked(/*wait=*/true);
-      continue;
-    }
-    reaped.clear();
-    const Status status = io->Reap(&reaped, 1);
-    for (const IoCompletion& c : reaped) ignored.push_back(Complete(c));
-    if (!status.ok()) return;
-    TakeChecked(/*wait=*/false);
-  }
+  while (in_flight() > 0 && Reap(&ignored, 1).ok()) ignored.clear();
 }
 
 Result<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& options, std::unique_ptr<IoBackend> io) {
@@ -379,33 +399,31 @@ Result<uint64_t> DiskTier::SubmitWrite(uint32_t page_id, uint32_t generation, co
   QKV_RETURN_IF_ERROR(t.CheckQueue());
   QKV_ASSIGN_OR_RETURN(const uint32_t slot, t.TakeSlot());
   const uint64_t ticket = t.next_ticket++;
+  const PendingOp op{page_id, generation, slot, true, const_cast<void*>(src), sealed_checksum};
   if (t.checker.joinable()) {  // checked on the tier's thread, submitted after
-    t.pages[page_id] = {slot, generation, sealed_checksum, PageState::kWriting};
-    t.pending[ticket] = {page_id, generation, slot, true, const_cast<void*>(src), sealed_checksum};
-    ++t.checking;
     bool wake;
     {
       std::lock_guard<std::mutex> lock(t.mu);
-      t.unchecked.push_back({ticket, page_id, generation, src, sealed_checksum, false});
+      t.unchecked.push_back({ticket, op, false});
       wake = t.checker_waits;  // a busy checker finds the job without a system call
     }
     if (wake) t.to_check.notify_one();
-    return ticket;
-  }
-  // The pre-write half of the assert pair, as late as it can be.
-  if (PageChecksum(src, t.options.page_bytes, page_id, generation) != sealed_checksum) {
-    t.FreeSlot(slot);
-    ++t.stats.corruptions;
-    return Status::Corruption("disk tier: page " + std::to_string(page_id) + " generation " +
-                              std::to_string(generation) + " no longer matches its sealed checksum; not written");
-  }
-  const Status submitted = t.io->Submit(t.Request(IoRequest::Op::kWrite, slot, const_cast<void*>(src), ticket));
-  if (!submitted.ok()) {
-    t.FreeSlot(slot);
-    return submitted;
+    ++t.checking;
+  } else {
+    // The pre-write half of the assert pair, as late as it can be.
+    if (PageChecksum(src, t.options.page_bytes, page_id, generation) != sealed_checksum) {
+      t.FreeSlot(slot);
+      ++t.stats.corruptions;
+      return Damaged(page_id, generation);
+    }
+    const Status submitted = t.io->Submit(t.Request(IoRequest::Op::kWrite, slot, op.buf, ticket));
+    if (!submitted.ok()) {
+      t.FreeSlot(slot);
+      return submitted;
+    }
   }
   t.pages[page_id] = {slot, generation, sealed_checksum, PageState::kWriting};
-  t.pending[ticket] = {page_id, generation, slot, true, const_cast<void*>(src), sealed_checksum};
+  t.pending[ticket] = op;
   return ticket;
 }
 
@@ -428,33 +446,7 @@ Result<uint64_t> DiskTier::SubmitRead(uint32_t page_id, uint32_t generation, voi
   return ticket;
 }
 
-Status DiskTier::Reap(std::vector<DiskCompletion>* out, int min_complete) {
-  Impl& t = *impl_;
-  if (min_complete < 0 || min_complete > t.in_flight())
-    return Status::InvalidArgument("disk tier: min_complete " + std::to_string(min_complete) + " with " +
-                                   std::to_string(t.in_flight()) + " in flight");
-  t.TakeChecked(/*wait=*/false);
-  int got = 0;
-  for (bool first = true;; first = false) {
-    got += int(t.ready.size());
-    for (DiskCompletion& d : t.ready) out->push_back(std::move(d));
-    t.ready.clear();
-    if (!first && got >= min_complete) return Status::Ok();
-    // Writes still being checked and nothing in the backend: wait for a check.
-    if (got < min_complete && t.io->in_flight() == 0) {
-      t.TakeChecked(/*wait=*/true);
-      continue;
-    }
-    t.reaped.clear();
-    // Completions the backend delivered are accounted for even if it then failed.
-    const Status status = t.io->Reap(&t.reaped, std::min(std::max(min_complete - got, 0), t.io->in_flight()));
-    for (const IoCompletion& c : t.reaped) out->push_back(t.Complete(c));
-    got += int(t.reaped.size());
-    if (!status.ok()) return status;
-    t.TakeChecked(/*wait=*/false);
-    if (t.ready.empty() && got >= min_complete) return Status::Ok();
-  }
-}
+Status DiskTier::Reap(std::vector<DiskCompletion>* out, int min_complete) { return impl_->Reap(out, min_complete); }
 
 bool DiskTier::Holds(uint32_t page_id, uint32_t generation) const {
   auto it = impl_->pages.find(page_id);

@@ -44,13 +44,13 @@ class UringBackend final : public IoBackend {
     // SUBMIT_ALL: a bad entry does not stall the ones behind it. COOP_TASKRUN:
     // completions are run when we enter the kernel anyway, not by interrupt
     // (the kernel refuses it beside SQPOLL, whose thread runs them).
-    io_uring_params params{};
-    params.flags = IORING_SETUP_SUBMIT_ALL | (sq_thread_ ? IORING_SETUP_SQPOLL : IORING_SETUP_COOP_TASKRUN);
-    params.sq_thread_idle = kSqIdleMs;
-    int rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
-    if (rc == -EINVAL) {  // kernel older than 5.19
-      params = {};
-      params.flags = sq_thread_ ? IORING_SETUP_SQPOLL : 0;
+    const unsigned base = sq_thread_ ? IORING_SETUP_SQPOLL : 0;
+    const unsigned since_5_19 = IORING_SETUP_SUBMIT_ALL | (sq_thread_ ? 0 : IORING_SETUP_COOP_TASKRUN);
+    int rc = -EINVAL;
+    for (const unsigned flags : {base | since_5_19, base}) {  // an older kernel refuses the newer flags
+      if (rc != -EINVAL) break;
+      io_uring_params params{};
+      params.flags = flags;
       params.sq_thread_idle = kSqIdleMs;
       rc = io_uring_queue_init_params(queue_depth_, &ring_, &params);
     }
