@@ -141,7 +141,7 @@ Config ConfigFrom(const c10::Dict<std::string, std::string>& d) {
   c.disk_bytes = Narrow<uint64_t>(Int(d, "disk_bytes", 0), "disk_bytes");
   if (d.contains("cold_miss")) c.cold_miss = Value(ParseColdMissPolicy(d.at("cold_miss")));
   if (d.contains("io_backend")) c.io_backend = Value(ParseIoBackendKind(d.at("io_backend")));
-  c.io_checks_off_thread = Int(d, "io_checks_off_thread", 0) != 0;
+  c.io_checks_off_thread = Int(d, "io_checks_off_thread", c.io_checks_off_thread) != 0;
   c.prefetch_pages = Narrow<int>(Int(d, "prefetch_pages", c.prefetch_pages), "prefetch_pages");
   c.deadline_skip_limit = Real(d, "deadline_skip_limit", c.deadline_skip_limit);
   if (d.contains("backend")) c.backend = Value(ParseBackend(d.at("backend")));
